@@ -1,0 +1,85 @@
+"""Argument validation shared by every public call.
+
+Every check raises ``ValueError`` naming the offending argument, and runs before anything in the
+cache is written, so a rejected call leaves the cache bit-identical. Checks on tensor *metadata*
+(shape, dtype, device) are free; checks on tensor *values* (slot ids, accepted counts, pending
+verifies) read device memory and synchronize, so they run only while ``cache.check_values`` is
+true. Turn it off for CUDA-graph capture, where value errors cannot be raised anyway.
+"""
+from __future__ import annotations
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INT_DTYPES = (torch.int32, torch.int64)
+
+
+def check_int(name: str, value, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def check_tensor(name: str, t, shape: tuple, device: torch.device, dtypes=FLOAT_DTYPES,
+                 optional: bool = False) -> None:
+    """``t`` must be a tensor of exactly ``shape`` on ``device`` with a dtype in ``dtypes``."""
+    if t is None:
+        if optional:
+            return
+        raise ValueError(f"{name} is required")
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+
+
+def check_slots(cache, slots) -> int:
+    """``slots``: int64 [b] of slot ids in [0, num_slots) or -1 (pad), no repeats. Returns b."""
+    if not isinstance(slots, torch.Tensor) or slots.dim() != 1:
+        raise ValueError("slots must be a 1-D int64 tensor of slot ids")
+    check_tensor("slots", slots, tuple(slots.shape), cache.device, (torch.int64,))
+    if cache.check_values and slots.numel():
+        lo, hi = int(slots.min()), int(slots.max())
+        if lo < -1 or hi >= cache.num_slots:
+            raise ValueError(f"slots must lie in [-1, {cache.num_slots}), got range [{lo}, {hi}]")
+        real = slots[slots >= 0]
+        if real.unique().numel() != real.numel():
+            raise ValueError("slots must not repeat a slot id (only the pad id -1 may repeat)")
+    return slots.shape[0]
+
+
+def check_draft_len(cache, T: int) -> None:
+    if not 1 <= T <= cache.max_draft:
+        raise ValueError(f"draft length (axis 1 of the inputs) must be in [1, {cache.max_draft}], got {T}")
+
+
+def check_no_pending(cache, slots) -> None:
+    """A decode or verify may not start while a verify of the same slot awaits ``accept``."""
+    if cache.check_values and slots.numel():
+        rows = slots[slots >= 0]
+        if bool((cache.pending[rows] > 0).any()):
+            bad = rows[cache.pending[rows] > 0].tolist()
+            raise ValueError(f"slots {bad} have a pending verify: call accept(slots, num_accepted) first")
+
+
+def check_accepted(cache, slots, num_accepted) -> None:
+    """``num_accepted``: int [b], 0 <= n <= pending draft count of that slot."""
+    check_tensor("num_accepted", num_accepted, tuple(slots.shape), cache.device, INT_DTYPES)
+    if cache.check_values and slots.numel():
+        valid = slots >= 0
+        limit = cache.pending[slots.clamp(min=0)].to(num_accepted.dtype)
+        bad = valid & ((num_accepted < 0) | (num_accepted > limit))
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            raise ValueError(f"num_accepted[{i}] = {int(num_accepted[i])} is outside [0, {int(limit[i])}] "
+                             f"(the pending draft count of slot {int(slots[i])})")
+
+
+def check_finite_nonpositive(name: str, t, cache) -> None:
+    """Log decays must be <= 0 (decay in (0, 1]); checked only with ``check_values``."""
+    if cache.check_values and t.numel() and bool((t > 0).any()):
+        raise ValueError(f"{name} must be <= 0 (a log decay), got max {float(t.max())}")

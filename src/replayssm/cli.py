@@ -1,0 +1,18 @@
+"""The ``replayssm`` command: ``run`` (the reproduction runner) and ``bench`` (GPU benchmarks)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="replayssm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    from . import run
+    run.add_arguments(sub.add_parser("run", help="the seeded reproduction protocol and its report"))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""The Gated DeltaNet ReplaySSM cache: geometry and replay-buffer fields."""
+from __future__ import annotations
+
+import torch
+
+from .. import checks
+from ..cache import ReplayCache
+from . import replay
+
+
+class GDNCache(ReplayCache):
+    """Checkpoints and replay buffers for one Gated DeltaNet layer over ``num_slots`` sequences.
+
+    State per slot [num_v_heads, head_v_dim, head_k_dim] (= [HV, V, K], the layout of vLLM's
+    packed decode); value head h reads key head h // (HV / HK). Buffer fields per token: raw
+    ``k`` [HK, K] (after optional L2 norm) and ``v`` [HV, V] in buffer_dtype, ``g`` and ``beta``
+    [HV] fp32 (kept raw so that refresh re-solves residuals from the anchor), and the read-path
+    residuals ``u`` [HV, V] fp32 (reused by later outputs of the same window).
+    """
+
+    kind = "gdn"
+
+    def __init__(self, num_slots, num_k_heads, num_v_heads, head_k_dim, head_v_dim, window=16,
+                 max_draft=4, precision="s32_rs", device="cpu", buffer_dtype=torch.float32, seed=0):
+        for name, val in (("num_k_heads", num_k_heads), ("num_v_heads", num_v_heads),
+                          ("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim)):
+            checks.check_int(name, val, 1)
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"num_v_heads ({num_v_heads}) must be a multiple of num_k_heads ({num_k_heads})")
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        f32 = torch.float32
+        fields = {"k": ((num_k_heads, head_k_dim), buffer_dtype), "v": ((num_v_heads, head_v_dim), buffer_dtype),
+                  "g": ((num_v_heads,), f32), "beta": ((num_v_heads,), f32),
+                  "u": ((num_v_heads, head_v_dim), f32)}
+        super().__init__(num_slots, num_v_heads, head_v_dim, head_k_dim, window=window,
+                         max_draft=max_draft, precision=precision, device=device,
+                         buffer_dtype=buffer_dtype, seed=seed, buffer_fields=fields)
+
+    def config(self) -> dict:
+        return {**super().config(), "num_k_heads": self.num_k_heads}
+
+    def _fold(self, state, entries, count):
+        return replay.fold(state, entries, count)

@@ -1,0 +1,71 @@
+"""Public Gated DeltaNet calls: ``gdn_decode`` and ``gdn_verify``.
+
+public call -> argument checks -> input preparation (L2 norm, scale) -> backend.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import checks
+from ..backend import pick_backend
+from ..step import torch_step
+from . import replay
+
+
+def l2norm(x, eps=1e-6):
+    """x / sqrt(sum(x^2) + eps) over the last axis, in fp32 (flash-linear-attention's l2norm)."""
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _check(cache, slots, q, k, v, g, beta, scale, draft: bool):
+    b = checks.check_slots(cache, slots)
+    HK, HV, K, V = cache.num_k_heads, cache.num_v_heads, cache.head_k_dim, cache.head_v_dim
+    T = q.shape[1] if draft and isinstance(q, torch.Tensor) and q.dim() == 4 else 1
+    if draft:
+        checks.check_draft_len(cache, T)
+    lead = (b, T) if draft else (b,)
+    dev = cache.device
+    checks.check_tensor("q", q, (*lead, HK, K), dev)
+    checks.check_tensor("k", k, (*lead, HK, K), dev)
+    checks.check_tensor("v", v, (*lead, HV, V), dev)
+    checks.check_tensor("g", g, (*lead, HV), dev)
+    checks.check_tensor("beta", beta, (*lead, HV), dev)
+    if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)):
+        raise ValueError(f"scale must be a float or None, got {scale!r}")
+    checks.check_finite_nonpositive("g", g, cache)
+    checks.check_no_pending(cache, slots)
+
+
+def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend):
+    if scale is None:
+        scale = cache.head_k_dim ** -0.5
+    q, k = (l2norm(q), l2norm(k)) if use_qk_l2norm else (q.float(), k.float())
+    q = q * scale
+    g, beta = g.float(), beta.float()
+    if pick_backend(cache, backend) == "triton":
+        from . import triton as kernels
+        return kernels.step(cache, slots, q, k, v, g, beta, commit)
+    entries = {"k": k, "v": v, "g": g, "beta": beta}
+    return torch_step(cache, slots, q.shape[1], entries,
+                      lambda state, buf, h: replay.outputs(state, buf, h, q), commit)
+
+
+def gdn_decode(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, backend=None):
+    """One decode token per slot; refreshes the checkpoint when the window is full.
+
+    slots int64 [b] (-1 = pad); q, k [b, HK, K]; v [b, HV, V]; g [b, HV] (log decay <= 0);
+    beta [b, HV]. Inputs fp32/fp16/bf16. Returns o fp32 [b, HV, V] (zero for pads).
+    """
+    _check(cache, slots, q, k, v, g, beta, scale, draft=False)
+    u = lambda t: t.unsqueeze(1)  # noqa: E731
+    return _step(cache, slots, u(q), u(k), u(v), u(g), u(beta), scale, use_qk_l2norm, True, backend)[:, 0]
+
+
+def gdn_verify(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, backend=None):
+    """Verify T drafts per slot, output-only; nothing is committed until ``cache.accept``.
+
+    q, k [b, T, HK, K]; v [b, T, HV, V]; g, beta [b, T, HV]. Returns o fp32 [b, T, HV, V].
+    """
+    _check(cache, slots, q, k, v, g, beta, scale, draft=True)
+    return _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, False, backend)

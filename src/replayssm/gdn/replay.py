@@ -1,0 +1,83 @@
+"""Gated DeltaNet ReplaySSM in PyTorch: residual solves, the fold (refresh), output-only form.
+
+With residuals u_j = beta_j (v_j - alpha_j S_{j-1} k_j), S_j = alpha_j S_{j-1} + u_j k_j^T: the
+Mamba-2 form with u in place of v. The residuals of a window solve the unit lower-triangular
+system (DESIGN §2)
+
+    u_j + sum_{i<j} beta_j gamma_{i+1:j} (k_i . k_j) u_i = beta_j (v_j - gamma_{1:j} S0 k_j).
+
+The fold re-solves every committed residual from the anchor (raw k, v, g, beta are kept in the
+buffer for that), so a residual computed from a rounded read copy never enters the recurrence.
+Outputs solve only the new tokens' rows against the read copy; committed rows reuse the cached
+read-path residuals (identity rows whose right-hand side is the cached u).
+"""
+from __future__ import annotations
+
+import torch
+
+
+def heads_of_groups(t, nheads):
+    """[b, L, HK, K] -> [b, L, HV, K]: value head h reads key head h // (HV / HK)."""
+    return t.repeat_interleave(nheads // t.shape[2], dim=2)
+
+
+def _solve(state, k, buf, c, solve_rows, cached_u=None):
+    """Residuals u [b, L, HV, V] from checkpoint ``state`` [b, HV, V, K].
+
+    k [b, L, HV, K] fp32; c [b, L, HV] cumulative log decay; solve_rows [b, L] bool: rows solved
+    from the equations; the others are identity rows with right-hand side ``cached_u`` (or 0).
+    """
+    L = k.shape[1]
+    beta = buf["beta"]
+    rhs = beta[..., None] * (buf["v"].float()
+                             - torch.exp(c)[..., None] * torch.einsum("bhvk,blhk->blhv", state, k))
+    other = torch.zeros_like(rhs) if cached_u is None else cached_u
+    rhs = torch.where(solve_rows[:, :, None, None], rhs, other)
+    j, i = torch.arange(L, device=k.device)[:, None], torch.arange(L, device=k.device)[None, :]
+    cj = c.permute(0, 2, 1)  # [b, HV, L]
+    decay = torch.exp(torch.where(i < j, cj[..., :, None] - cj[..., None, :], float("-inf")))
+    kk = torch.einsum("bjhk,bihk->bhji", k, k)
+    rows = (solve_rows[:, None, :] * beta.permute(0, 2, 1))[..., None]  # beta_j on solved rows
+    lower = torch.eye(L, device=k.device) + rows * decay * kk
+    u = torch.linalg.solve_triangular(lower, rhs.permute(0, 2, 1, 3), upper=False, unitriangular=True)
+    return u.permute(0, 2, 1, 3)
+
+
+def fold(state, buf, count):
+    """Committed state after ``count`` entries, residuals re-solved from ``state`` (the anchor).
+
+    state fp32 [b, HV, V, K]; buf: k [b, L, HK, K], v [b, L, HV, V], g/beta [b, L, HV], entries
+    past count zero; count int64 [b]. Returns fp32 [b, HV, V, K].
+    """
+    HV, L = state.shape[1], buf["g"].shape[1]
+    k = heads_of_groups(buf["k"].float(), HV)
+    c = buf["g"].cumsum(1)
+    solve_rows = torch.arange(L, device=k.device)[None, :] < count[:, None]
+    u = _solve(state, k, buf, c, solve_rows)
+    total = c[:, -1]
+    w = torch.exp(total[:, None] - c)  # [b, L, HV]
+    return torch.exp(total)[:, :, None, None] * state + torch.einsum("blhv,blhk->bhvk", u * w[..., None], k)
+
+
+def outputs(state, buf, h, q):
+    """Outputs of the T queries at positions h .. h+T-1, and the new tokens' residuals.
+
+    state fp32 [b, HV, V, K] (the read copy); buf with entries valid below h+T and cached
+    residuals ``u`` below h; h int64 [b]; q fp32 [b, T, HK, K] (normalized and scaled).
+    Returns (o fp32 [b, T, HV, V], {"u": fp32 [b, T, HV, V]}).
+    """
+    HV, L, T = state.shape[1], buf["g"].shape[1], q.shape[1]
+    k = heads_of_groups(buf["k"].float(), HV)
+    qh = heads_of_groups(q, HV)
+    c = buf["g"].cumsum(1)
+    pos = torch.arange(L, device=h.device)
+    u = _solve(state, k, buf, c, pos[None, :] >= h[:, None], buf["u"].float())
+    t = h[:, None] + torch.arange(T, device=h.device)  # [b, T]
+    c_t = torch.gather(c, 1, t[:, :, None].expand(-1, -1, HV))  # [b, T, HV]
+    o = torch.exp(c_t)[..., None] * torch.einsum("bhvk,bthk->bthv", state, qh)
+    causal = pos[None, None, :] <= t[:, :, None]  # [b, T, L]
+    decay = torch.exp(torch.where(causal[..., None], c_t[:, :, None] - c[:, None], float("-inf")))
+    scores = torch.einsum("blhk,bthk->btlh", k, qh) * decay
+    o = o + torch.einsum("btlh,blhv->bthv", scores, u)
+    u_new = torch.gather(u, 1, t[:, :, None, None].expand(-1, -1, HV, u.shape[-1]))
+    return o, {"u": u_new}

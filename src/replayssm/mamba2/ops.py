@@ -1,0 +1,74 @@
+"""Public Mamba-2 calls: ``mamba2_decode`` and ``mamba2_verify``.
+
+public call -> argument checks -> input preparation (bias, softplus, log decay) -> backend.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import checks
+from ..backend import pick_backend
+from ..step import torch_step
+from . import replay
+
+
+def _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft: bool):
+    b = checks.check_slots(cache, slots)
+    H, P, N, G = cache.nheads, cache.headdim, cache.dstate, cache.ngroups
+    T = x.shape[1] if draft and isinstance(x, torch.Tensor) and x.dim() == 4 else 1
+    if draft:
+        checks.check_draft_len(cache, T)
+    lead = (b, T) if draft else (b,)
+    dev = cache.device
+    checks.check_tensor("x", x, (*lead, H, P), dev)
+    checks.check_tensor("dt", dt, (*lead, H), dev)
+    checks.check_tensor("A", A, (H,), dev)
+    checks.check_tensor("B", B, (*lead, G, N), dev)
+    checks.check_tensor("C", C, (*lead, G, N), dev)
+    checks.check_tensor("D", D, (H,), dev, optional=True)
+    checks.check_tensor("z", z, (*lead, H, P), dev, optional=True)
+    checks.check_tensor("dt_bias", dt_bias, (H,), dev, optional=True)
+    checks.check_finite_nonpositive("A", A, cache)
+    checks.check_no_pending(cache, slots)
+    return T
+
+
+def _step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, commit, backend):
+    dt = dt.float()
+    if dt_bias is not None:
+        dt = dt + dt_bias.float()
+    if dt_softplus:
+        dt = F.softplus(dt)
+    log_alpha = A.float() * dt
+    if pick_backend(cache, backend) == "triton":
+        from . import triton as kernels
+        return kernels.step(cache, slots, x, dt, log_alpha, B, C, D, z, commit)
+    entries = {"x": x, "dt": dt, "log_alpha": log_alpha, "B": B}
+    return torch_step(cache, slots, x.shape[1], entries,
+                      lambda state, buf, h: (replay.outputs(state, buf, h, C, D, z, x), None), commit)
+
+
+def mamba2_decode(cache, slots, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                  backend=None):
+    """One decode token per slot; refreshes the checkpoint when the window is full.
+
+    slots int64 [b] (-1 = pad); x [b, H, P]; dt [b, H]; A [H]; B, C [b, G, N]; D [H]; z [b, H, P];
+    dt_bias [H]. Inputs fp32/fp16/bf16. Returns y fp32 [b, H, P] (zero for pads).
+    """
+    _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft=False)
+    u = lambda t: None if t is None else t.unsqueeze(1)  # noqa: E731
+    y = _step(cache, slots, u(x), u(dt), A, u(B), u(C), D, u(z), dt_bias, dt_softplus, True, backend)
+    return y[:, 0]
+
+
+def mamba2_verify(cache, slots, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
+                  backend=None):
+    """Verify T drafts per slot, output-only: draft s sees the checkpoint, the committed history
+    and drafts 1..s. Nothing is committed: call ``cache.accept(slots, num_accepted)`` next.
+
+    x [b, T, H, P]; dt [b, T, H]; B, C [b, T, G, N]; z [b, T, H, P]; others as in decode.
+    Returns y fp32 [b, T, H, P].
+    """
+    _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft=True)
+    return _step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, False, backend)

@@ -1,0 +1,62 @@
+"""Mamba-2 ReplaySSM in PyTorch: the fold (refresh) and the output-only form.
+
+One head, h buffered tokens after the checkpoint S0 (DESIGN §2):
+
+    S_h = gamma_{1:h} S0 + sum_j gamma_{j+1:h} v_j k_j^T,        v_j = dt_j x_j, k_j = B_j
+    y_s = gamma_{1:t} S0 q_s + sum_{j<=t} gamma_{j+1:t} (k_j . q_s) v_j,   t = h + s, q = C
+
+Decays come from fp32 cumulative sums of log(alpha) as exp(c_t - c_j), masked before the
+exponent. No per-token [P, N] state is ever formed in the output path.
+Buffer entries of positions past the valid count arrive zeroed (``ReplayCache.gather``), so they
+contribute nothing and do not decay.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def heads_of_groups(t, nheads):
+    """[b, L, G, N] -> [b, L, H, N]: head h reads group h // (H / G)."""
+    return t.repeat_interleave(nheads // t.shape[2], dim=2)
+
+
+def fold(state, buf, count):
+    """Committed state after ``count`` buffered entries.
+
+    state fp32 [b, H, P, N]; buf: x [b, L, H, P], dt/log_alpha [b, L, H] fp32, B [b, L, G, N];
+    count int64 [b] (entries beyond it are zero). Returns fp32 [b, H, P, N].
+    """
+    H = state.shape[1]
+    c = buf["log_alpha"].cumsum(1)  # [b, L, H]
+    total = c[:, -1]  # zero entries past count add no decay
+    w = torch.exp(total[:, None] - c) * buf["dt"]  # [b, L, H]
+    k = heads_of_groups(buf["B"].float(), H)
+    v = buf["x"].float() * w[..., None]
+    return torch.exp(total)[:, :, None, None] * state + torch.einsum("blhp,blhn->bhpn", v, k)
+
+
+def outputs(state, buf, h, C, D=None, z=None, x_new=None):
+    """Outputs for the T queries at positions h .. h+T-1 (the last T appended entries).
+
+    state fp32 [b, H, P, N] (the read copy); buf as in ``fold`` with entries valid below h+T;
+    h int64 [b]; C [b, T, G, N]; D [H]; z [b, T, H, P]; x_new [b, T, H, P] (for the D skip).
+    Returns y fp32 [b, T, H, P].
+    """
+    H, L, T = state.shape[1], buf["x"].shape[1], C.shape[1]
+    c = buf["log_alpha"].cumsum(1)  # [b, L, H]
+    t = h[:, None] + torch.arange(T, device=h.device)  # [b, T] query positions
+    c_t = torch.gather(c, 1, t[:, :, None].expand(-1, -1, H))  # [b, T, H]
+    q = heads_of_groups(C.float(), H)  # [b, T, H, N]
+    y = torch.exp(c_t)[..., None] * torch.einsum("bhpn,bthn->bthp", state, q)
+    causal = torch.arange(L, device=h.device)[None, None, :] <= t[:, :, None]  # [b, T, L]
+    diff = c_t[:, :, None, :] - c[:, None, :, :]  # [b, T, L, H]
+    decay = torch.exp(torch.where(causal[..., None], diff, float("-inf")))
+    k = heads_of_groups(buf["B"].float(), H)
+    scores = torch.einsum("blhn,bthn->btlh", k, q) * decay * buf["dt"][:, None]
+    y = y + torch.einsum("btlh,blhp->bthp", scores, buf["x"].float())
+    if D is not None:
+        y = y + D.float()[:, None] * x_new.float()
+    if z is not None:
+        y = y * F.silu(z.float())
+    return y
