@@ -1,0 +1,165 @@
+"""Number formats inside Triton kernels: load a state tile as fp32, encode and store it.
+
+Mirrors ``replayssm.formats`` element for element: the same block layouts, the same scale
+arithmetic (correctly rounded fp32 divisions via ``div_rn``), the same grid rounding and the same
+counter-based random bits, so that encoding an identical fp32 tile gives identical bits on both
+backends. Format ids (constexpr ``FMT``): 0 fp32, 1 fp16, 2 bf16, 3 fp8-e4m3 (32-element fp32
+block scales), 4 NVFP4 (16-element e4m3 scales + fp32 global scale per matrix).
+A tile is one [BV, BK] block of rows of one (slot, head) matrix; BK is the whole row (dk).
+"""
+import triton
+import triton.language as tl
+
+FMT_IDS = {"fp32": 0, "fp16": 1, "bf16": 2, "fp8_e4m3": 3, "nvfp4": 4}
+M32 = 0xFFFFFFFF
+
+
+@triton.jit
+def _mix(x):
+    """lowbias32 on int64 lanes holding uint32 values (the product wraps; low 32 bits are kept)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit
+def random_u32(seed, stream, offset):
+    """``formats.random_bits`` bit for bit: int64 seed/stream/offset -> int64 in [0, 2**32)."""
+    seed, stream, offset = seed.to(tl.int64), stream.to(tl.int64), offset.to(tl.int64)
+    h = _mix(((seed >> 32) & 0xFFFFFFFF) ^ 0x9E3779B9)
+    h = _mix(h ^ (seed & 0xFFFFFFFF))
+    h = _mix(h ^ ((stream >> 32) & 0xFFFFFFFF))
+    h = _mix(h ^ (stream & 0xFFFFFFFF))
+    h = _mix(h ^ ((offset >> 32) & 0xFFFFFFFF))
+    h = _mix(h ^ (offset & 0xFFFFFFFF))
+    return h
+
+
+@triton.jit
+def _pow2(k):
+    """Exact fp32 2**k for int32 k in [-126, 127]."""
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def grid_round(y, r24, M: tl.constexpr, EMIN: tl.constexpr, MAXV: tl.constexpr, SR: tl.constexpr):
+    """Round fp32 ``y`` onto a binary grid with M mantissa bits, min normal exponent EMIN and
+    largest value MAXV (saturating). SR: round up iff r24 < frac * 2**24, else nearest-even."""
+    yd = tl.where(y != y, y, tl.minimum(tl.maximum(y, -MAXV), MAXV))
+    bits = yd.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN)
+    q = (yd * _pow2(-e)) * _pow2(tl.full(e.shape, M, tl.int32))  # exact: powers of two
+    if SR:
+        fl = tl.floor(q)  # signed: lo <= y < hi, as in formats._round_grid
+        up = r24.to(tl.float32) < (q - fl) * 16777216.0
+        qr = fl + up.to(tl.float32)
+    else:
+        qr = (q + 12582912.0) - 12582912.0  # round half to even for |q| < 2**22
+    res = tl.abs((qr * _pow2(e)) * _pow2(tl.full(e.shape, -M, tl.int32)))
+    # copy the sign bit (a zero result keeps the sign of y; triton's negation is 0 - x)
+    res = (res.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
+    return tl.where(yd != yd, yd, res)
+
+
+@triton.jit
+def load_tile(v_ptr, s_ptr, g_ptr, mat, rv, ck, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr):
+    """Rows ``rv`` [BV] x all columns ``ck`` [BK = DK] of matrix ``mat`` decoded to fp32."""
+    row = mat * DV + rv[:, None]
+    if FMT <= 2:
+        return tl.load(v_ptr + row * DK + ck[None, :]).to(tl.float32)
+    elif FMT == 3:
+        vals = tl.load(v_ptr + row * DK + ck[None, :]).to(tl.float32)
+        return vals * tl.load(s_ptr + row * (DK // 32) + ck[None, :] // 32)
+    else:
+        half = tl.arange(0, DK // 2)
+        byte = tl.load(v_ptr + row * (DK // 2) + half[None, :]).to(tl.int16)
+        lo = (((byte & 8) << 12) | ((byte & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (((byte & 128) << 8) | ((byte & 112) << 5)).to(tl.float16, bitcast=True).to(tl.float32)
+        # fp16 bit patterns of e2m1 codes are the values times 2**-14
+        vals = tl.reshape(tl.join(lo, hi), (rv.shape[0], DK)) * 16384.0
+        scale = tl.load(s_ptr + row * (DK // 16) + ck[None, :] // 16).to(tl.float32)
+        return (vals * scale) * tl.load(g_ptr + mat)
+
+
+@triton.jit
+def store_tile(S, v_ptr, s_ptr, g_ptr, mat, head, rv, ck, seed, stream,
+               DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr, SR: tl.constexpr):
+    """Encode fp32 tile S [BV, DK] (rows rv of matrix ``mat``) into format FMT, store it, and
+    return the decoded (rounded) tile. Stochastic rounding is keyed by (seed, stream, logical
+    element index). For NVFP4 the tile must hold the whole matrix (BV = DV)."""
+    BV: tl.constexpr = S.shape[0]
+    row = mat * DV + rv[:, None]
+    r24 = tl.zeros((BV, DK), dtype=tl.int64)
+    if SR:
+        offset = (head.to(tl.int64) * DV + rv[:, None]) * DK + ck[None, :]  # logical, not the storage row
+        r24 = (random_u32(seed, stream, offset) >> 8) & 0xFFFFFF
+    if FMT == 0:
+        tl.store(v_ptr + row * DK + ck[None, :], S)
+        return S
+    elif FMT <= 2:
+        if FMT == 1:
+            MAXV: tl.constexpr = 65504.0
+            M: tl.constexpr = 10
+            EMIN: tl.constexpr = -14
+        else:
+            MAXV: tl.constexpr = 3.3895313892515355e38
+            M: tl.constexpr = 7
+            EMIN: tl.constexpr = -126
+        # rounded here, so the cast below is exact (the interpreter's bf16 cast truncates)
+        y = grid_round(S, r24, M, EMIN, MAXV, SR)
+        y = tl.where((S != S) | (tl.abs(S) == float("inf")), S, y)  # NaN and inf pass through
+        v = y.to(v_ptr.dtype.element_ty)
+        tl.store(v_ptr + row * DK + ck[None, :], v)
+        return v.to(tl.float32)
+    elif FMT == 3:
+        NB: tl.constexpr = DK // 32
+        X = tl.reshape(S, (BV, NB, 32))
+        fin = tl.abs(X) < float("inf")
+        bad = tl.max(tl.where(fin, 0, 1), axis=2) > 0
+        amax = tl.max(tl.where(fin, tl.abs(X), 0.0), axis=2)
+        scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+        scale = tl.where(scale > 0, scale, 1.0)
+        scale = tl.where(bad, float("nan"), scale)
+        y = tl.where(bad[:, :, None], 0.0,
+                     tl.math.div_rn(X, tl.broadcast_to(tl.where(bad, 1.0, scale)[:, :, None], (BV, NB, 32))))
+        y = tl.reshape(y, (BV, DK))
+        # rounded on the e4m3 grid here, so the cast is exact on every backend
+        v = grid_round(y, r24, 3, -6, 448.0, SR).to(tl.float8e4nv)
+        tl.store(v_ptr + row * DK + ck[None, :], v)
+        sb = tl.arange(0, NB)
+        tl.store(s_ptr + (mat * DV + rv[:, None]) * NB + sb[None, :], scale)
+        out = tl.reshape(v.to(tl.float32), (BV, NB, 32)) * scale[:, :, None]
+        return tl.reshape(out, (BV, DK))
+    else:
+        NB: tl.constexpr = DK // 16
+        fin = tl.abs(S) < float("inf")
+        gs = tl.max(tl.max(tl.where(fin, tl.abs(S), 0.0), axis=1), axis=0)
+        gs = tl.math.div_rn(gs, 2688.0)
+        gs = tl.where(gs > 0, gs, 1.0)
+        X = tl.reshape(S, (BV, NB, 16))
+        finb = tl.abs(X) < float("inf")
+        bad = tl.max(tl.where(finb, 0, 1), axis=2) > 0
+        bamax = tl.max(tl.where(finb, tl.abs(X), 0.0), axis=2)
+        t = tl.math.div_rn(tl.math.div_rn(bamax, tl.full(bamax.shape, 6.0, tl.float32)),
+                           tl.full(bamax.shape, 1.0, tl.float32) * gs)
+        s = grid_round(t, t.to(tl.int64), 3, -6, 448.0, False)  # RNE onto the e4m3 grid
+        s = tl.where(bad, float("nan"), s)
+        denom = s * gs
+        ok = denom > 0
+        y = tl.where(ok[:, :, None],
+                     tl.math.div_rn(X, tl.broadcast_to(tl.where(ok, denom, 1.0)[:, :, None], (BV, NB, 16))), 0.0)
+        q = grid_round(tl.reshape(y, (BV, DK)), r24, 1, 0, 6.0, SR)
+        mag = tl.abs(q)
+        idx = tl.where(mag <= 2.0, mag * 2.0, tl.where(mag < 6.0, mag + 2.0, 7.0)).to(tl.int32)
+        code = idx | ((q.to(tl.int32, bitcast=True) >> 28) & 8)
+        even, odd = tl.split(tl.reshape(code, (BV, DK // 2, 2)))
+        half = tl.arange(0, DK // 2)
+        tl.store(v_ptr + row * (DK // 2) + half[None, :], (even | (odd << 4)).to(tl.uint8))
+        sb = tl.arange(0, NB)
+        tl.store(s_ptr + (mat * DV + rv[:, None]) * NB + sb[None, :], s.to(tl.float8e4nv))
+        tl.store(g_ptr + mat, gs)
+        out = tl.reshape(q, (BV, NB, 16)) * s[:, :, None]
+        return tl.reshape(out, (BV, DK)) * gs

@@ -1,0 +1,64 @@
+"""The in-kernel number formats (replayssm._triton.formats) against replayssm.formats, bit for bit.
+
+Runs the Triton code under TRITON_INTERPRET=1 on the CPU (set in conftest for triton tests).
+"""
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from replayssm import formats  # noqa: E402
+from replayssm._triton import formats as tf  # noqa: E402
+
+
+@triton.jit
+def _roundtrip_kernel(x_ptr, v_ptr, s_ptr, g_ptr, dec_ptr, load_ptr, seed_ptr, stream,
+                      DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr, SR: tl.constexpr):
+    mat = tl.program_id(0)
+    rv = tl.arange(0, DV)
+    ck = tl.arange(0, DK)
+    S = tl.load(x_ptr + (mat * DV + rv[:, None]) * DK + ck[None, :])
+    seed = tl.load(seed_ptr + mat)
+    dec = tf.store_tile(S, v_ptr, s_ptr, g_ptr, mat, mat % 3, rv, ck, seed, stream, DV, DK, FMT, SR)
+    tl.store(dec_ptr + (mat * DV + rv[:, None]) * DK + ck[None, :], dec)
+    tl.debug_barrier()
+    back = tf.load_tile(v_ptr, s_ptr, g_ptr, mat, rv, ck, DV, DK, FMT)
+    tl.store(load_ptr + (mat * DV + rv[:, None]) * DK + ck[None, :], back)
+
+
+def _run(name, rounding, x, seeds, stream):
+    fmt = formats.get_format(name)
+    mats, DV, DK = x.shape
+    parts = fmt.allocate(x.shape, "cpu")
+    dummy = torch.zeros(1)
+    v, s, g = parts["values"], parts.get("scales", dummy), parts.get("global_scale", dummy)
+    dec, back = torch.empty_like(x), torch.empty_like(x)
+    _roundtrip_kernel[(mats,)](x, v, s, g, dec, back, seeds, stream, DV, DK,
+                               tf.FMT_IDS[name], rounding == "stochastic")
+    return parts, dec, back
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp16", "bf16", "fp8_e4m3", "nvfp4"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_kernel_encode_matches_torch_bit_for_bit(name, rounding):
+    g = torch.Generator().manual_seed(7)
+    mats, DV, DK = 6, 16, 64
+    x = torch.randn(mats, DV, DK, generator=g) * torch.logspace(-3, 2, DK)[None, None, :]
+    x[0, 0, :5] = torch.tensor([65504.0 * 2, -1e-9, 0.0, -0.0, 3.0])
+    seeds = torch.randint(0, 2**40, (mats,), generator=g)
+    stream = 11
+    parts, dec, back = _run(name, rounding, x, seeds, stream)
+    heads = torch.arange(mats) % 3
+    offsets = (heads[:, None, None] * DV + torch.arange(DV)[None, :, None]) * DK + torch.arange(DK)
+    bits = formats.random_bits(seeds[:, None, None], stream, offsets)
+    fmt = formats.get_format(name)
+    want = fmt.encode(x, rounding, bits if rounding == "stochastic" else None)
+    for key, t in want.items():
+        got = parts[key]
+        assert torch.equal(got.view(torch.uint8), t.view(torch.uint8)) if t.element_size() == 1 else \
+            torch.equal(got.view(-1).view(torch.int16 if t.element_size() == 2 else torch.int32),
+                        t.reshape(-1).view(torch.int16 if t.element_size() == 2 else torch.int32)), key
+    ref = fmt.decode(want, DK)
+    torch.testing.assert_close(dec, ref, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(back, ref, rtol=0, atol=0, equal_nan=True)
