@@ -40,3 +40,21 @@ def torch_step(cache, slots, T: int, entries: dict, outputs, commit: bool):
     else:
         cache.pending[rows] = torch.where(valid, T, cache.pending[rows])
     return torch.where(valid.view(-1, *([1] * (y.dim() - 1))), y, 0)
+
+
+def segment_log_decay(log_alpha, t):
+    """Log decays sum_{i=j+1..t_s} log_alpha_i for query positions ``t`` and entries ``j``.
+
+    log_alpha [b, L, H] fp32; t int64 [b, T]. Returns [b, T, L, H]: the segment sum for
+    j <= t_s (0 at j = t_s), -inf for j > t_s (masked before the exponent). Each segment is
+    summed directly (a masked suffix cumsum) rather than as c_t - c_j of two prefix sums: once a
+    prefix sum is large (strong decays, long windows) that difference loses ~ulp(c) absolutely,
+    which is a relative error of every decay factor.
+    """
+    L = log_alpha.shape[1]
+    pos = torch.arange(L, device=log_alpha.device)
+    causal = pos[None, None, :] <= t[:, :, None]  # [b, T, L]
+    terms = torch.where(causal[..., None], log_alpha[:, None], 0.0)  # log_alpha_i for i <= t_s
+    suffix = terms.flip(2).cumsum(2).flip(2)  # sum_{j <= i <= t_s}
+    seg = torch.cat([suffix[:, :, 1:], torch.zeros_like(suffix[:, :, :1])], 2)  # sum_{j < i <= t_s}
+    return torch.where(causal[..., None], seg, float("-inf"))

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ..step import segment_log_decay
+
 
 def heads_of_groups(t, nheads):
     """[b, L, HK, K] -> [b, L, HV, K]: value head h reads key head h // (HV / HK)."""
@@ -34,8 +36,9 @@ def _solve(state, k, buf, c, solve_rows, cached_u=None):
     other = torch.zeros_like(rhs) if cached_u is None else cached_u
     rhs = torch.where(solve_rows[:, :, None, None], rhs, other)
     j, i = torch.arange(L, device=k.device)[:, None], torch.arange(L, device=k.device)[None, :]
-    cj = c.permute(0, 2, 1)  # [b, HV, L]
-    decay = torch.exp(torch.where(i < j, cj[..., :, None] - cj[..., None, :], float("-inf")))
+    rows_t = j.T.expand(k.shape[0], L)  # [b, L]: every position as a query
+    seg = segment_log_decay(buf["g"], rows_t).permute(0, 3, 1, 2)  # [b, HV, L(j), L(i)]
+    decay = torch.exp(torch.where(i < j, seg, float("-inf")))
     kk = torch.einsum("bjhk,bihk->bhji", k, k)
     rows = (solve_rows[:, None, :] * beta.permute(0, 2, 1))[..., None]  # beta_j on solved rows
     lower = torch.eye(L, device=k.device) + rows * decay * kk
@@ -55,7 +58,8 @@ def fold(state, buf, count):
     solve_rows = torch.arange(L, device=k.device)[None, :] < count[:, None]
     u = _solve(state, k, buf, c, solve_rows)
     total = c[:, -1]
-    w = torch.exp(total[:, None] - c)  # [b, L, HV]
+    last = torch.full((c.shape[0], 1), L - 1, device=c.device)
+    w = torch.exp(segment_log_decay(buf["g"], last)[:, 0])  # [b, L, HV] gamma_{j+1:L}
     return torch.exp(total)[:, :, None, None] * state + torch.einsum("blhv,blhk->bhvk", u * w[..., None], k)
 
 
@@ -75,8 +79,7 @@ def outputs(state, buf, h, q):
     t = h[:, None] + torch.arange(T, device=h.device)  # [b, T]
     c_t = torch.gather(c, 1, t[:, :, None].expand(-1, -1, HV))  # [b, T, HV]
     o = torch.exp(c_t)[..., None] * torch.einsum("bhvk,bthk->bthv", state, qh)
-    causal = pos[None, None, :] <= t[:, :, None]  # [b, T, L]
-    decay = torch.exp(torch.where(causal[..., None], c_t[:, :, None] - c[:, None], float("-inf")))
+    decay = torch.exp(segment_log_decay(buf["g"], t))  # [b, T, L, HV], 0 past t
     scores = torch.einsum("blhk,bthk->btlh", k, qh) * decay
     o = o + torch.einsum("btlh,blhv->bthv", scores, u)
     u_new = torch.gather(u, 1, t[:, :, None, None].expand(-1, -1, HV, u.shape[-1]))

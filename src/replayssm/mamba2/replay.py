@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..step import segment_log_decay
+
 
 def heads_of_groups(t, nheads):
     """[b, L, G, N] -> [b, L, H, N]: head h reads group h // (H / G)."""
@@ -28,9 +30,10 @@ def fold(state, buf, count):
     count int64 [b] (entries beyond it are zero). Returns fp32 [b, H, P, N].
     """
     H = state.shape[1]
-    c = buf["log_alpha"].cumsum(1)  # [b, L, H]
-    total = c[:, -1]  # zero entries past count add no decay
-    w = torch.exp(total[:, None] - c) * buf["dt"]  # [b, L, H]
+    la = buf["log_alpha"]
+    total = la.cumsum(1)[:, -1]  # zero entries past count add no decay
+    last = torch.full((la.shape[0], 1), la.shape[1] - 1, device=la.device)
+    w = torch.exp(segment_log_decay(la, last)[:, 0]) * buf["dt"]  # [b, L, H] gamma_{j+1:L}
     k = heads_of_groups(buf["B"].float(), H)
     v = buf["x"].float() * w[..., None]
     return torch.exp(total)[:, :, None, None] * state + torch.einsum("blhp,blhn->bhpn", v, k)
@@ -49,9 +52,7 @@ def outputs(state, buf, h, C, D=None, z=None, x_new=None):
     c_t = torch.gather(c, 1, t[:, :, None].expand(-1, -1, H))  # [b, T, H]
     q = heads_of_groups(C.float(), H)  # [b, T, H, N]
     y = torch.exp(c_t)[..., None] * torch.einsum("bhpn,bthn->bthp", state, q)
-    causal = torch.arange(L, device=h.device)[None, None, :] <= t[:, :, None]  # [b, T, L]
-    diff = c_t[:, :, None, :] - c[:, None, :, :]  # [b, T, L, H]
-    decay = torch.exp(torch.where(causal[..., None], diff, float("-inf")))
+    decay = torch.exp(segment_log_decay(buf["log_alpha"], t))  # [b, T, L, H], 0 past t
     k = heads_of_groups(buf["B"].float(), H)
     scores = torch.einsum("blhn,bthn->btlh", k, q) * decay * buf["dt"][:, None]
     y = y + torch.einsum("btlh,blhp->bthp", scores, buf["x"].float())

@@ -1,0 +1,110 @@
+"""Launch plumbing shared by the Mamba-2 and GDN kernels.
+
+A step is two launches with no host synchronization in between:
+
+1. the architecture's step kernel, one program per (batch row, head, block of state rows):
+   refresh if due (fold from the anchor, write anchor and read copy), outputs, and the new tokens'
+   per-row buffer fields (x rows for Mamba-2; v and u rows for GDN);
+2. ``advance_kernel``, one program per batch row: the new tokens' *shared* buffer fields (read by
+   several programs of launch 1: B or k per group, dt/log decay/beta per head) and the cursors.
+
+Launch 2 must follow launch 1 because a refreshing slot writes its new tokens at positions 0..T-1,
+which other programs of launch 1 are still folding.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .formats import FMT_IDS
+
+
+@triton.jit
+def _copy_field(src_ptr, dst_ptr, pid, row, start, T: tl.constexpr, TP: tl.constexpr,
+                L: tl.constexpr, F: tl.constexpr, F_PAD: tl.constexpr):
+    """dst[row, start + s, :F] = src[pid, s, :F] for s < T (src [b, T, F], dst [rows, L, F])."""
+    s = tl.arange(0, TP)[:, None]
+    f = tl.arange(0, F_PAD)[None, :]
+    m = (f < F) & (s < T)
+    vals = tl.load(src_ptr + (pid * T + s) * F + f, mask=m)
+    tl.store(dst_ptr + (row * L + start + s) * F + f, vals.to(dst_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def advance_kernel(slots_ptr, committed_ptr, pending_ptr, tokens_ptr, refreshes_ptr,
+                   s1, d1, s2, d2, s3, d3,
+                   SCRATCH, T: tl.constexpr, TP: tl.constexpr, L: tl.constexpr, COMMIT: tl.constexpr,
+                   F1: tl.constexpr, F1P: tl.constexpr, F2: tl.constexpr, F2P: tl.constexpr,
+                   F3: tl.constexpr, F3P: tl.constexpr):
+    pid = tl.program_id(0)
+    slot = tl.load(slots_ptr + pid)
+    if slot >= 0:
+        h = tl.load(committed_ptr + slot)
+        need = h + T > L
+        start = tl.where(need, 0, h)
+        _copy_field(s1, d1, pid, slot, start, T, TP, L, F1, F1P)
+        _copy_field(s2, d2, pid, slot, start, T, TP, L, F2, F2P)
+        _copy_field(s3, d3, pid, slot, start, T, TP, L, F3, F3P)
+        if need:
+            tl.store(refreshes_ptr + slot, tl.load(refreshes_ptr + slot) + 1)
+        if COMMIT:
+            tl.store(committed_ptr + slot, start + T)
+            tl.store(tokens_ptr + slot, tl.load(tokens_ptr + slot) + T)
+            tl.store(pending_ptr + slot, 0)
+        else:
+            tl.store(committed_ptr + slot, start)
+            tl.store(pending_ptr + slot, T)
+
+
+def advance(cache, slots, T: int, commit: bool, shared_fields: dict):
+    """Launch ``advance_kernel``: write the shared buffer fields (name -> input [b, T, ...]) of
+    the new tokens and move the cursors."""
+    b = slots.shape[0]
+    args, consts = [], []
+    for name, src in shared_fields.items():
+        F = src[0, 0].numel()
+        args += [src.contiguous(), cache.buffer[name]]
+        consts += [F, triton.next_power_of_2(F)]
+    advance_kernel[(b,)](slots, cache.committed, cache.pending, cache.tokens, cache.refreshes, *args,
+                         cache.scratch_row, T, triton.next_power_of_2(T), cache.window, commit, *consts)
+
+
+def format_args(cache):
+    """Pointer triples and constexprs describing the anchor and read copy of ``cache``."""
+    p = cache.precision
+    dummy = cache.committed  # never dereferenced: the format does not have that part
+
+    def triple(parts):
+        return (parts["values"], parts.get("scales", dummy), parts.get("global_scale", dummy))
+
+    anchor = triple(cache.anchor)
+    read = anchor if cache.read_copy is None else triple(cache.read_copy)
+    consts = dict(A_FMT=FMT_IDS[p.anchor.name], A_SR=p.anchor_rounding == "stochastic",
+                  R_FMT=FMT_IDS[p.read_format.name], R_SR=p.read_rounding_used == "stochastic",
+                  SHARED=p.shared)
+    return anchor, read, consts
+
+
+def check_geometry(cache):
+    """The kernels tile whole rows of a head: dv, dk powers of two >= 16 (dk >= 32 with fp8)."""
+    for name, n in (("dv", cache.dv), ("dk", cache.dk)):
+        if n < 16 or n & (n - 1):
+            raise ValueError(f"backend='triton' needs {name} to be a power of two >= 16, got {n}; "
+                             "use backend='torch' for this geometry")
+    fmts = {cache.precision.anchor.name, cache.precision.read_format.name}
+    if "fp8_e4m3" in fmts and cache.dk < 32:
+        raise ValueError("backend='triton' with an fp8 format needs dk >= 32")
+
+
+def block_rows(cache, batch: int) -> int:
+    """Rows of a head per program: the whole head, unless the grid would leave SMs idle (small
+    batch); NVFP4 keeps whole heads because its global scale spans the matrix."""
+    fmts = {cache.precision.anchor.name, cache.precision.read_format.name}
+    bv = cache.dv
+    if "nvfp4" in fmts or cache.device.type != "cuda":
+        return bv
+    sms = torch.cuda.get_device_properties(cache.device).multi_processor_count
+    while bv > 16 and batch * cache.nheads * (cache.dv // bv) < 2 * sms:
+        bv //= 2
+    return bv

@@ -1,0 +1,106 @@
+"""Teacher-forced quality of the precision presets on a transformers model.
+
+A text is decoded token by token (teacher forcing: the next input is the text's token, not the
+model's) through the stock fp32 path and through ReplaySSM with each preset; the per-position
+next-token distributions are compared:
+
+- ``mean_kl``: mean over positions of KL(stock || preset), in nats;
+- ``p95_abs_dlogp``: 95th percentile over positions of |log p_stock(x_t) - log p_preset(x_t)|
+  for the text's actual next token x_t;
+- ``max_abs_dlogp``; ``ppl`` (perplexity of the preset on the text) and ``ppl_stock``.
+
+The first ``prefix`` tokens are a prefill (the stock path, which seeds the checkpoints); every
+later position is a decode step, so refreshes happen every ``window`` tokens as in generation.
+
+    python -m replayssm.integrations.evalkl --model models/tiny-mamba2 --text-file held_out.txt
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+from .transformers import patch
+
+DEFAULT_PRESETS = ("s32_rs", "tp8_hi32", "tp4_hi16_sr", "f4_sr_rs")
+
+__all__ = ["teacher_forced_logprobs", "eval_kl", "DEFAULT_PRESETS"]
+
+
+@torch.no_grad()
+def teacher_forced_logprobs(model, ids, prefix: int = 1):
+    """Log-probs [n - prefix, V] (fp32) of positions prefix .. n-1 given the text before them:
+    one prefill of ``prefix`` tokens, then one decode step per token. ids: LongTensor [1, n]."""
+    from transformers import DynamicCache
+    if ids.dim() != 2 or ids.shape[0] != 1:
+        raise ValueError("ids must be [1, n]")
+    n = ids.shape[1]
+    if not 1 <= prefix < n:
+        raise ValueError(f"need 1 <= prefix < n, got prefix={prefix}, n={n}")
+    cache = DynamicCache(config=model.config)
+    out = model(input_ids=ids[:, :prefix], cache=cache, use_cache=True)
+    rows = [out.logits[0, -1].float().log_softmax(-1)]
+    for t in range(prefix, n - 1):
+        out = model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True)
+        rows.append(out.logits[0, -1].float().log_softmax(-1))
+    return torch.stack(rows)
+
+
+def _summary(ref, lp, targets):
+    kl = (ref.exp() * (ref - lp)).sum(-1).clamp(min=0)
+    d = (ref.gather(-1, targets[:, None]) - lp.gather(-1, targets[:, None]))[:, 0].abs()
+    nll = -lp.gather(-1, targets[:, None]).mean().item()
+    return {"mean_kl": kl.mean().item(), "p95_abs_dlogp": torch.quantile(d, 0.95).item(),
+            "max_abs_dlogp": d.max().item(), "ppl": math.exp(nll)}
+
+
+def eval_kl(model, ids, presets=DEFAULT_PRESETS, prefix: int = 1, window: int = 16, seed: int = 0,
+            buffer_dtype=torch.float32) -> dict:
+    """{preset: {mean_kl, p95_abs_dlogp, max_abs_dlogp, ppl, ppl_stock, positions}} for one text.
+
+    ``model`` must not be patched (the stock reference runs first). ``ids`` LongTensor [1, n].
+    """
+    ref = teacher_forced_logprobs(model, ids, prefix)
+    targets = ids[0, prefix:].to(ref.device)
+    ppl_stock = math.exp(-ref.gather(-1, targets[:, None]).mean().item())
+    out = {}
+    for name in presets:
+        with patch(model, precision=name, window=window, seed=seed, buffer_dtype=buffer_dtype):
+            lp = teacher_forced_logprobs(model, ids, prefix)
+        out[name] = {**_summary(ref, lp, targets), "ppl_stock": ppl_stock, "positions": int(targets.numel())}
+    return out
+
+
+def format_table(results: dict) -> str:
+    lines = ["| preset | mean KL (nats) | p95 abs dlogp | max abs dlogp | ppl | ppl (stock fp32) |",
+             "|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        lines.append(f"| `{name}` | {r['mean_kl']:.3e} | {r['p95_abs_dlogp']:.3e} | {r['max_abs_dlogp']:.3e} "
+                     f"| {r['ppl']:.3f} | {r['ppl_stock']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="replayssm eval-kl", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="a saved transformers model folder")
+    ap.add_argument("--text-file", required=True, help="UTF-8 text; byte-level models read its bytes")
+    ap.add_argument("--max-tokens", type=int, default=1024)
+    ap.add_argument("--prefix", type=int, default=1)
+    ap.add_argument("--window", type=int, default=16)
+    ap.add_argument("--presets", default=",".join(DEFAULT_PRESETS))
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(min(4, torch.get_num_threads()))
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    data = open(args.text_file, "rb").read()[: args.max_tokens]
+    ids = torch.tensor([list(data)], dtype=torch.long)
+    res = eval_kl(model, ids, presets=args.presets.split(","), prefix=args.prefix, window=args.window)
+    print(json.dumps(res, indent=1) if args.json else format_table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,485 @@
+"""Hugging Face transformers integration: run the decode steps of a loaded model through ReplaySSM.
+
+    import replayssm.integrations.transformers as rst
+    with rst.patch(model, precision="s32_rs", window=16):
+        out = model.generate(input_ids, max_new_tokens=64)
+
+Supported models (transformers ``>=5.24,<5.25``, the range that is tested):
+
+- ``Mamba2ForCausalLM`` (every layer is a ``Mamba2Mixer``);
+- Qwen3.5 (``Qwen3_5ForCausalLM``, model_type ``qwen3_5_text``) and Qwen3-Next
+  (``Qwen3NextForCausalLM``): Gated DeltaNet layers (``Qwen3_5GatedDeltaNet`` /
+  ``Qwen3NextGatedDeltaNet``) interleaved with full-attention layers, which are left alone.
+
+What the patch does, per state-space layer (one ReplaySSM cache per layer, one slot per batch row):
+
+- **Prefill** (a forward of more than one token on a cache, or the first forward on it) runs exactly
+  as transformers runs it. Its final recurrent state (taken from the transformers cache) seeds the
+  ReplaySSM checkpoint with ``load_state``. (GDN: transformers keeps the state as [.., K, V],
+  ReplaySSM as [HV, V, K]: it is transposed.)
+- **Decode** (one token on a cache that this patch seeded): the layer's own projections and causal
+  convolution (the convolution state stays in the transformers cache, updated in place), then
+  ``rs.mamba2_decode`` / ``rs.gdn_decode`` instead of the conventional state update, then the
+  layer's own gated RMSNorm and output projection. The recurrent state in the transformers cache is
+  *not* written during decode (that is the point); it is written back (``materialize``) whenever
+  the stock path needs it again: before a multi-token forward continues that cache, when another
+  cache starts being decoded, and at ``unpatch``.
+- **Verify** (inside ``ReplayPatch.verifying()``; used by ``speculative_generate``): T tokens go
+  through ``rs.mamba2_verify`` / ``rs.gdn_verify``; the convolution is computed without touching
+  its state, and ``ReplayPatch.accept(n)`` commits the first n tokens to both the ReplaySSM caches
+  and the convolution states (the last d_conv inputs of the committed position).
+
+Unsupported things raise ``ReplaySSMUnsupported`` (never a silent fall back to the stock path):
+a model with no supported layer, a recurrent-mixer class that this module does not know, beam
+search / HF assisted generation / prompt lookup inside ``generate`` (use
+``speculative_generate``), a transformers cache that records its past (``activate_past_recording``).
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import transformers
+    from transformers.activations import ACT2FN
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError("replayssm.integrations.transformers needs the 'hf' extra: "
+                      "pip install 'replayssm[hf]' (transformers>=5.24,<5.25)") from e
+
+from ..gdn.cache import GDNCache
+from ..gdn.ops import gdn_decode, gdn_verify
+from ..mamba2.cache import Mamba2Cache
+from ..mamba2.ops import mamba2_decode, mamba2_verify
+
+TESTED_TRANSFORMERS = ">=5.24,<5.25"
+
+__all__ = ["ReplaySSMUnsupported", "ReplayPatch", "patch", "unpatch", "TESTED_TRANSFORMERS"]
+
+
+class ReplaySSMUnsupported(NotImplementedError):
+    """A model, layer type or generation option that the ReplaySSM integration does not support."""
+
+
+def _supported_classes():
+    """(Mamba-2 mixer classes, GDN layer classes) available in this transformers install."""
+    mamba, gdn = [], []
+    try:
+        from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
+        mamba.append(Mamba2Mixer)
+    except ImportError:  # pragma: no cover
+        pass
+    for mod, name in (("qwen3_5", "Qwen3_5GatedDeltaNet"), ("qwen3_next", "Qwen3NextGatedDeltaNet"),
+                      ("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet")):
+        try:
+            m = __import__(f"transformers.models.{mod}.modeling_{mod}", fromlist=[name])
+            if hasattr(m, name):
+                gdn.append(getattr(m, name))
+        except ImportError:  # pragma: no cover
+            pass
+    return tuple(mamba), tuple(gdn)
+
+
+def _looks_recurrent(module) -> bool:
+    """Class names of recurrent token mixers that this integration does not handle."""
+    n = type(module).__name__
+    return (("Mamba" in n and "Mixer" in n) or "GatedDeltaNet" in n or n.endswith("LinearAttention")
+            or "DeltaNet" in n or n.endswith("ShortConv"))
+
+
+# ---------------------------------------------------------------------------------------------
+# causal convolution (the same arithmetic as transformers' torch ``causal_conv1d_update``)
+# ---------------------------------------------------------------------------------------------
+def _conv_step(x, conv_state, weight, bias, activation, commit: bool):
+    """x [b, C, T]; conv_state [b, C, S] (S = d_conv). Returns (out [b, C, T], full [b, C, S + T]).
+
+    With ``commit`` the state becomes the last S columns (as ``causal_conv1d_update``); without,
+    it is untouched and ``full`` lets the caller commit any prefix later (speculative verify).
+    """
+    T = x.shape[-1]
+    full = torch.cat([conv_state, x], dim=-1).to(weight.dtype)
+    if commit:
+        conv_state.copy_(full[..., -conv_state.shape[-1]:])
+    out = F.conv1d(full, weight.unsqueeze(1), bias, padding=0, groups=x.shape[1])[..., -T:]
+    if activation is not None:
+        out = ACT2FN[activation](out) if isinstance(activation, str) else activation(out)
+    return out.to(x.dtype), full
+
+
+# ---------------------------------------------------------------------------------------------
+# per-layer adapters
+# ---------------------------------------------------------------------------------------------
+class _LayerAdapter:
+    """State of one patched layer: its ReplaySSM cache, the transformers cache it mirrors, the
+    pending convolution inputs of a verify."""
+
+    kind = "base"
+
+    def __init__(self, owner: "ReplayPatch", module):
+        self.owner = owner
+        self.module = module
+        self.layer_idx = module.layer_idx
+        self.cache = None          # ReplaySSM cache, allocated on the first prefill
+        self.hf_ref = None         # weakref to the transformers cache whose state the slots hold
+        self.dirty = False         # decoded since the last load (transformers' state is stale)
+        self.batch = 0
+        self.pending_full = None   # [b, C, S + T] convolution inputs of the pending verify
+
+    # -- geometry / conversions (per kind) --
+    def _new_cache(self, num_slots, device):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _to_replay(self, hf_state):
+        return hf_state.float()
+
+    def _to_hf(self, state):
+        return state
+
+    # -- bookkeeping --
+    def slots(self, b, device):
+        return torch.arange(b, dtype=torch.int64, device=device)
+
+    def _owned(self, hf_cache) -> bool:
+        return self.hf_ref is not None and self.hf_ref() is hf_cache
+
+    def sync_back(self):
+        """Write the committed ReplaySSM state into the transformers cache it mirrors."""
+        if not self.dirty or self.hf_ref is None:
+            self.dirty = False
+            return
+        hf = self.hf_ref()
+        self.dirty = False
+        if hf is None:
+            return
+        rec = hf.layers[self.layer_idx].recurrent_states[0]
+        if rec is None:
+            return
+        state = self.cache.materialize(self.slots(self.batch, self.cache.device))
+        rec.copy_(self._to_hf(state).to(rec.dtype))
+
+    def load_from(self, hf_cache):
+        """Seed the slots from the transformers cache's recurrent state (after a stock forward)."""
+        rec = hf_cache.get_recurrent_state(self.layer_idx)
+        if rec is None:
+            raise RuntimeError(f"layer {self.layer_idx}: the transformers cache holds no recurrent state")
+        b = rec.shape[0]
+        if self.cache is None or self.cache.num_slots < b or self.cache.device != rec.device:
+            self.cache = self._new_cache(max(b, 1), rec.device)
+        self.batch = b
+        self.cache.load_state(self.slots(b, rec.device), self._to_replay(rec).contiguous())
+        self.hf_ref = weakref.ref(hf_cache)
+        self.dirty = False
+        self.pending_full = None
+
+    # -- the patched forward --
+    def forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+        if cache is None and "cache_params" in kwargs:
+            cache = kwargs.pop("cache_params")
+        p = self.owner
+        if cache is None:
+            if p.mode == "verify":
+                raise ReplaySSMUnsupported("verify needs a transformers cache")
+            # a cache-less forward (training, scoring): nothing is decoded, the stock path is exact
+            return self.stock(hidden_states, cache=None, attention_mask=attention_mask, **kwargs)
+        if cache.is_recording_past(self.layer_idx):
+            raise ReplaySSMUnsupported(
+                "the transformers cache records its past (HF assisted decoding / prompt lookup); "
+                "ReplaySSM rolls back with accept(): use replayssm.integrations.speculative")
+        seq_len = hidden_states.shape[1]
+        has_prev = cache.get_recurrent_state(self.layer_idx) is not None
+        if p.mode == "verify" or (seq_len == 1 and has_prev):
+            if not has_prev:
+                raise RuntimeError("verify needs a prefilled transformers cache")
+            if not self._owned(cache):
+                # adopt a cache last written by the stock path or synced back when this patch left
+                # it (its recurrent state is current either way)
+                self._release()
+                self.load_from(cache)
+            return self.run(hidden_states, cache, verify=p.mode == "verify")
+        # prefill or multi-token continuation: the stock path, then seed the checkpoint
+        if self._owned(cache):
+            self.sync_back()
+        else:
+            self._release()
+        out = self.stock(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        self.load_from(cache)
+        return out
+
+    def _release(self):
+        self.sync_back()
+        self.hf_ref = None
+
+    def stock(self, *args, **kwargs):
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def run(self, hidden_states, hf_cache, verify: bool):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def conv(self, x, hf_cache, verify):
+        """Causal convolution of x [b, C, T] against the transformers cache's conv state."""
+        conv_state = hf_cache.get_conv_state(self.layer_idx)
+        m = self.module
+        act = getattr(m, "activation", None)
+        out, full = _conv_step(x, conv_state, m.conv1d.weight.squeeze(1), m.conv1d.bias, act,
+                               commit=not verify)
+        if verify:
+            self.pending_full = full
+        return out
+
+    def accept(self, num_inputs):
+        """Commit the first ``num_inputs[b]`` (>= 0) tokens of the pending verify."""
+        slots = self.slots(self.batch, self.cache.device)
+        self.cache.accept(slots, num_inputs.to(self.cache.device))
+        full = self.pending_full
+        self.pending_full = None
+        if full is None:
+            return
+        hf = self.hf_ref()
+        conv_state = hf.get_conv_state(self.layer_idx)
+        S = conv_state.shape[-1]
+        idx = num_inputs.to(full.device).long()[:, None] + torch.arange(S, device=full.device)[None, :]
+        idx = idx[:, None, :].expand(full.shape[0], full.shape[1], S)
+        conv_state.copy_(torch.gather(full, 2, idx).to(conv_state.dtype))
+        self.dirty = True
+
+
+class _Mamba2Adapter(_LayerAdapter):
+    kind = "mamba2"
+
+    def _new_cache(self, num_slots, device):
+        m, o = self.module, self.owner.options
+        return Mamba2Cache(num_slots, m.num_heads, m.head_dim, m.ssm_state_size, ngroups=m.n_groups,
+                           device=device, **o)
+
+    def run(self, hidden_states, hf_cache, verify):
+        m = self.module
+        b, T, _ = hidden_states.shape
+        dtype = hidden_states.dtype
+        proj = m.in_proj(hidden_states)
+        gate, xBC, dt = proj.split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
+        xBC = self.conv(xBC.transpose(1, 2), hf_cache, verify).transpose(1, 2)
+        x, B, C = torch.split(xBC, [m.intermediate_size, m.n_groups * m.ssm_state_size,
+                                    m.n_groups * m.ssm_state_size], dim=-1)
+        H, P, G, N = m.num_heads, m.head_dim, m.n_groups, m.ssm_state_size
+        A = -torch.exp(m.A_log.float())
+        slots = self.slots(b, hidden_states.device)
+        kw = dict(D=m.D, z=None, dt_bias=m.dt_bias, dt_softplus=True, backend=self.owner.backend)
+        if verify:
+            y = mamba2_verify(self.cache, slots, x.reshape(b, T, H, P), dt.reshape(b, T, H), A,
+                              B.reshape(b, T, G, N), C.reshape(b, T, G, N), **kw)
+        else:
+            y = mamba2_decode(self.cache, slots, x.reshape(b, H, P), dt.reshape(b, H), A,
+                              B.reshape(b, G, N), C.reshape(b, G, N), **kw)
+            self.dirty = True
+        # the block's gated RMSNorm takes the gate (stock passes z=None to the scan, too)
+        y = m.norm(y.reshape(b, T, -1).to(dtype), gate)
+        return m.out_proj(y.to(dtype))
+
+
+class _GDNAdapter(_LayerAdapter):
+    kind = "gdn"
+
+    def _new_cache(self, num_slots, device):
+        m, o = self.module, self.owner.options
+        return GDNCache(num_slots, m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim,
+                        device=device, **o)
+
+    # transformers / fla keep the GDN state as [b, HV, K, V]; ReplaySSM as [b, HV, V, K]
+    def _to_replay(self, hf_state):
+        return hf_state.float().transpose(-1, -2)
+
+    def _to_hf(self, state):
+        return state.transpose(-1, -2)
+
+    def _projections(self, hidden_states):
+        """(mixed_qkv [b, T, conv_dim], z [b, T, HV, V], b [b, T, HV], a [b, T, HV])."""
+        m = self.module
+        bsz, T, _ = hidden_states.shape
+        if hasattr(m, "in_proj_qkvz"):  # Qwen3-Next: fused, head-interleaved projections
+            q, k, v, z, bb, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(hidden_states),
+                                                                m.in_proj_ba(hidden_states))
+            mixed = torch.cat([t.reshape(bsz, T, -1) for t in (q, k, v)], dim=-1)
+            return mixed, z, bb, a
+        mixed = m.in_proj_qkv(hidden_states)  # Qwen3.5
+        z = m.in_proj_z(hidden_states).reshape(bsz, T, -1, m.head_v_dim)
+        return mixed, z, m.in_proj_b(hidden_states), m.in_proj_a(hidden_states)
+
+    def run(self, hidden_states, hf_cache, verify):
+        m = self.module
+        bsz, T, _ = hidden_states.shape
+        mixed, z, bb, a = self._projections(hidden_states)
+        mixed = self.conv(mixed.transpose(1, 2), hf_cache, verify).transpose(1, 2)
+        q, k, v = torch.split(mixed, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
+        q = q.reshape(bsz, T, -1, m.head_k_dim)
+        k = k.reshape(bsz, T, -1, m.head_k_dim)
+        v = v.reshape(bsz, T, -1, m.head_v_dim)
+        beta = bb.sigmoid()
+        g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
+        slots = self.slots(bsz, hidden_states.device)
+        if verify:
+            o = gdn_verify(self.cache, slots, q, k, v, g, beta, use_qk_l2norm=True, backend=self.owner.backend)
+        else:
+            o = gdn_decode(self.cache, slots, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
+                           use_qk_l2norm=True, backend=self.owner.backend)[:, None]
+            self.dirty = True
+        o = o.to(q.dtype).reshape(-1, m.head_v_dim)
+        o = m.norm(o, z.reshape(-1, m.head_v_dim))
+        return m.out_proj(o.reshape(bsz, T, -1))
+
+
+# ---------------------------------------------------------------------------------------------
+# the patch
+# ---------------------------------------------------------------------------------------------
+class ReplayPatch:
+    """A model whose state-space layers decode through ReplaySSM; undo with ``unpatch()`` (or use
+    it as a context manager). Create with ``patch(model, ...)``."""
+
+    def __init__(self, model, *, precision="s32_rs", window=16, max_draft=8, buffer_dtype=torch.float32,
+                 seed=0, backend=None):
+        if getattr(model, "_replayssm_patch", None) is not None:
+            raise RuntimeError("this model is already patched by replayssm; unpatch it first")
+        self.model = model
+        self.options = dict(window=window, max_draft=max_draft, precision=precision,
+                            buffer_dtype=buffer_dtype, seed=seed)
+        self.backend = backend
+        self.mode = "decode"
+        self.adapters: list[_LayerAdapter] = []
+        mamba_cls, gdn_cls = _supported_classes()
+        unknown = []
+        for name, mod in model.named_modules():
+            if mamba_cls and isinstance(mod, mamba_cls):
+                self.adapters.append(_Mamba2Adapter(self, mod))
+            elif gdn_cls and isinstance(mod, gdn_cls):
+                self.adapters.append(_GDNAdapter(self, mod))
+            elif _looks_recurrent(mod):
+                unknown.append(f"{name} ({type(mod).__name__})")
+        if unknown:
+            raise ReplaySSMUnsupported(
+                "ReplaySSM does not support these recurrent layers: " + ", ".join(unknown[:4])
+                + (" ..." if len(unknown) > 4 else "") + ". Supported: Mamba2Mixer, Qwen3.5 / "
+                "Qwen3-Next GatedDeltaNet.")
+        if not self.adapters:
+            raise ReplaySSMUnsupported(
+                f"{type(model).__name__} has no layer that ReplaySSM supports (Mamba2ForCausalLM, "
+                "Qwen3_5ForCausalLM, Qwen3NextForCausalLM)")
+        # validate the options once, on a 1-slot cache of the first layer (clear errors up front)
+        self.adapters[0]._new_cache(1, "cpu")
+        for ad in self.adapters:
+            ad.module.forward = types.MethodType(lambda mod, *a, _ad=ad, **k: _ad.forward(*a, **k), ad.module)
+        self._generate_patched = "generate" in vars(model)
+        self._orig_generate = model.generate
+        model.generate = self._checked_generate
+        model._replayssm_patch = self
+        self.active = True
+
+    # -- generate guard --
+    def _checked_generate(self, *args, **kwargs):
+        gc = kwargs.get("generation_config") or getattr(self.model, "generation_config", None)
+        def opt(name, default=None):
+            if name in kwargs:
+                return kwargs[name]
+            return getattr(gc, name, default) if gc is not None else default
+        if (opt("num_beams", 1) or 1) > 1:
+            raise ReplaySSMUnsupported("beam search is not supported with ReplaySSM (the slots are not "
+                                       "reordered); use num_beams=1")
+        if kwargs.get("assistant_model") is not None or opt("prompt_lookup_num_tokens") is not None:
+            raise ReplaySSMUnsupported("HF assisted generation / prompt lookup crops recurrent caches, which "
+                                       "ReplaySSM does not do: use replayssm.integrations.speculative."
+                                       "speculative_generate")
+        return self._orig_generate(*args, **kwargs)
+
+    # -- speculative verify --
+    @contextlib.contextmanager
+    def verifying(self):
+        """Inside, a forward of T tokens verifies them (``*_verify``): nothing is committed until
+        ``accept``."""
+        if self.mode != "decode":
+            raise RuntimeError("already verifying")
+        self.mode = "verify"
+        try:
+            yield self
+        finally:
+            self.mode = "decode"
+
+    def accept(self, num_inputs):
+        """Commit the first ``num_inputs[b]`` tokens of the last verify in every layer (SSM caches and
+        convolution states). The caller crops the attention KV caches itself."""
+        if not torch.is_tensor(num_inputs):
+            num_inputs = torch.tensor(num_inputs)
+        num_inputs = num_inputs.reshape(-1).to(torch.int64)
+        for ad in self.adapters:
+            ad.accept(num_inputs)
+
+    # -- introspection --
+    def caches(self):
+        """{layer_idx: ReplaySSM cache} (allocated after the first prefill)."""
+        return {ad.layer_idx: ad.cache for ad in self.adapters}
+
+    def counters(self) -> dict:
+        """{layer_idx: cache counters of the live slots}."""
+        out = {}
+        for ad in self.adapters:
+            if ad.cache is not None:
+                out[ad.layer_idx] = ad.cache.counters(ad.slots(ad.batch, ad.cache.device))
+        return out
+
+    def sync(self):
+        """Write every layer's committed state back into the transformers cache it mirrors."""
+        for ad in self.adapters:
+            ad.sync_back()
+
+    # -- undo --
+    def unpatch(self):
+        if not self.active:
+            return
+        self.sync()
+        for ad in self.adapters:
+            if "forward" in vars(ad.module):
+                del ad.module.forward
+            ad.cache = None
+            ad.hf_ref = None
+        if self._generate_patched:
+            self.model.generate = self._orig_generate
+        else:
+            del self.model.generate
+        self.model._replayssm_patch = None
+        del self.model._replayssm_patch
+        self.active = False
+
+    close = unpatch
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.unpatch()
+        return False
+
+
+def patch(model, precision="s32_rs", window=16, max_draft=8, buffer_dtype=torch.float32, seed=0,
+          backend=None) -> ReplayPatch:
+    """Route the decode steps of ``model``'s state-space layers through ReplaySSM.
+
+    precision: a preset name (see ``rs.PRESETS``); window: L, tokens between checkpoint writes;
+    max_draft: the most tokens one verify may carry (``speculative_generate`` needs num_draft + 1);
+    buffer_dtype: dtype of the replay buffer's large fields; seed: stochastic-rounding seed;
+    backend: None (Triton on CUDA when available, else PyTorch), "torch" or "triton".
+    Returns a ``ReplayPatch``; use it as a context manager or call ``unpatch()``.
+    """
+    return ReplayPatch(model, precision=precision, window=window, max_draft=max_draft,
+                       buffer_dtype=buffer_dtype, seed=seed, backend=backend)
+
+
+def unpatch(model) -> None:
+    """Undo ``patch`` on ``model`` (no-op when it is not patched)."""
+    p = getattr(model, "_replayssm_patch", None)
+    if p is not None:
+        p.unpatch()
+
+
+def get_patch(model):
+    """The active ``ReplayPatch`` of ``model`` or None."""
+    return getattr(model, "_replayssm_patch", None)
