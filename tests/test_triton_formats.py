@@ -20,10 +20,10 @@ def _roundtrip_kernel(x_ptr, v_ptr, s_ptr, g_ptr, dec_ptr, load_ptr, seed_ptr, s
     ck = tl.arange(0, DK)
     S = tl.load(x_ptr + (mat * DV + rv[:, None]) * DK + ck[None, :])
     seed = tl.load(seed_ptr + mat)
-    dec = tf.store_tile(S, v_ptr, s_ptr, g_ptr, mat, mat % 3, rv, ck, seed, stream, DV, DK, FMT, SR)
+    dec = tf.store_tile(S, v_ptr, s_ptr, g_ptr, mat, mat, mat % 3, rv, ck, seed, stream, DV, DK, FMT, SR)
     tl.store(dec_ptr + (mat * DV + rv[:, None]) * DK + ck[None, :], dec)
     tl.debug_barrier()
-    back = tf.load_tile(v_ptr, s_ptr, g_ptr, mat, rv, ck, DV, DK, FMT)
+    back = tf.load_tile(v_ptr, s_ptr, g_ptr, mat, mat, rv, ck, DV, DK, FMT)
     tl.store(load_ptr + (mat * DV + rv[:, None]) * DK + ck[None, :], back)
 
 

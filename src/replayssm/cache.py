@@ -4,7 +4,8 @@ Layout (``rows = num_slots + 1``: the last row is a scratch slot that pad ids (-
 to, so that a batch with pads needs no host-side filtering and no branch):
 
 - ``anchor``: dict of physical parts of the anchor format for a logical fp32 tensor
-  [rows, nheads, dv, dk] (see ``formats``); ``read_copy``: the same for the read format, or
+  [rows, nheads, dv / rb, rb, dk] (rb = row_block = gcd(dv, 32); see ``formats``; NVFP4's global
+  scale is per (slot, head, row block)); ``read_copy``: the same for the read format, or
   ``None`` when the precision is shared (outputs then read the anchor).
 - ``buffer``: dict of per-token replay entries, each [rows, window, ...]; entry ``p`` of a slot
   holds the token at position ``p`` after its checkpoint. Positions ``[0, committed)`` are
@@ -18,6 +19,7 @@ A slot that was never loaded holds uninitialized memory: call ``load_state`` or 
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -26,6 +28,7 @@ from .formats import random_bits
 from .precision import Precision, get_precision
 
 _POISON = False
+ROW_BLOCK = 32  #: rows of a head's state per storage block (see ``ReplayCache.__init__``)
 
 
 @contextlib.contextmanager
@@ -75,13 +78,17 @@ class ReplayCache:
         self.num_slots, self.nheads, self.dv, self.dk = num_slots, nheads, dv, dk
         self.window, self.max_draft = window, max_draft
         self.precision: Precision = get_precision(precision)
-        self.device = torch.device(device)
+        self.device = torch.empty(0, device=device).device  # 'cuda' -> 'cuda:0', as tensors report it
         self.buffer_dtype = buffer_dtype
         self.seed = seed
         self.check_values = True
         rows = num_slots + 1
         self.scratch_row = num_slots
-        shape = (rows, nheads, dv, dk)
+        # Storage splits each head's rows into blocks of ROW_BLOCK rows, [rows, H, dv/rb, rb, dk]:
+        # the same bytes for every format, except that NVFP4's per-matrix global scale becomes one
+        # per (slot, head, row block), so a kernel program owning a row block can encode alone.
+        self.row_block = rb = math.gcd(dv, ROW_BLOCK)
+        shape = (rows, nheads, dv // rb, rb, dk)
         self.anchor = self._alloc_parts(self.precision.anchor, shape)
         self.read_copy = None if self.precision.shared else self._alloc_parts(self.precision.read, shape)
         self.buffer = {name: _alloc((rows, window, *tail), dtype, self.device)
@@ -92,7 +99,7 @@ class ReplayCache:
         self.tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self.seeds = torch.full((rows,), seed, dtype=torch.int64, device=self.device)
         # logical element index inside one slot's state: keys stochastic rounding
-        self._offsets = torch.arange(nheads * dv * dk, device=self.device).view(nheads, dv, dk)
+        self._offsets = torch.arange(nheads * dv * dk, device=self.device).view(nheads, dv // rb, rb, dk)
 
     def _alloc_parts(self, fmt, shape):
         parts = fmt.allocate(shape, self.device)
@@ -126,12 +133,14 @@ class ReplayCache:
 
     def decode_anchor(self, rows):
         """Anchor of ``rows`` decoded to fp32 [b, nheads, dv, dk]."""
-        return self.precision.anchor.decode({k: v[rows] for k, v in self.anchor.items()}, self.dk)
+        dec = self.precision.anchor.decode({k: v[rows] for k, v in self.anchor.items()}, self.dk)
+        return dec.reshape(-1, *self.state_shape)
 
     def decode_read(self, rows):
         """Read copy of ``rows`` decoded to fp32 [b, nheads, dv, dk] (the anchor when shared)."""
-        return self.precision.read_format.decode({k: v[rows] for k, v in self.read_parts().items()},
-                                                 self.dk)
+        dec = self.precision.read_format.decode({k: v[rows] for k, v in self.read_parts().items()},
+                                                self.dk)
+        return dec.reshape(-1, *self.state_shape)
 
     def gather(self, rows, count):
         """Buffer entries of ``rows`` as dict of [b, window, ...]; positions >= count[b] are zero.
@@ -164,13 +173,14 @@ class ReplayCache:
         stream = self.tokens[rows] * 2
 
         def bits(s):
-            return random_bits(self.seeds[rows].view(-1, 1, 1, 1), s.view(-1, 1, 1, 1), self._offsets)
+            return random_bits(self.seeds[rows].view(-1, 1, 1, 1, 1), s.view(-1, 1, 1, 1, 1), self._offsets)
 
         targets = [(self.anchor, p.anchor, p.anchor_rounding, stream)]
         if self.read_copy is not None:
             targets.append((self.read_copy, p.read, p.read_rounding, stream + 1))
         for parts, fmt, rounding, s in targets:
-            enc = fmt.encode(state, rounding, bits(s) if rounding == "stochastic" else None)
+            blocked = state.reshape(-1, self.nheads, self.dv // self.row_block, self.row_block, self.dk)
+            enc = fmt.encode(blocked, rounding, bits(s) if rounding == "stochastic" else None)
             for name, t in enc.items():
                 parts[name][rows] = _where_rows(mask, t, parts[name][rows])
 

@@ -65,8 +65,9 @@ def grid_round(y, r24, M: tl.constexpr, EMIN: tl.constexpr, MAXV: tl.constexpr, 
 
 
 @triton.jit
-def load_tile(v_ptr, s_ptr, g_ptr, mat, rv, ck, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr):
-    """Rows ``rv`` [BV] x all columns ``ck`` [BK = DK] of matrix ``mat`` decoded to fp32."""
+def load_tile(v_ptr, s_ptr, g_ptr, mat, gidx, rv, ck, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr):
+    """Rows ``rv`` [BV] x all columns ``ck`` [BK = DK] of matrix ``mat`` decoded to fp32
+    (``gidx``: the NVFP4 global-scale index of this row block)."""
     row = mat * DV + rv[:, None]
     if FMT <= 2:
         return tl.load(v_ptr + row * DK + ck[None, :]).to(tl.float32)
@@ -81,15 +82,15 @@ def load_tile(v_ptr, s_ptr, g_ptr, mat, rv, ck, DV: tl.constexpr, DK: tl.constex
         # fp16 bit patterns of e2m1 codes are the values times 2**-14
         vals = tl.reshape(tl.join(lo, hi), (rv.shape[0], DK)) * 16384.0
         scale = tl.load(s_ptr + row * (DK // 16) + ck[None, :] // 16).to(tl.float32)
-        return (vals * scale) * tl.load(g_ptr + mat)
+        return (vals * scale) * tl.load(g_ptr + gidx)
 
 
 @triton.jit
-def store_tile(S, v_ptr, s_ptr, g_ptr, mat, head, rv, ck, seed, stream,
+def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
                DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr, SR: tl.constexpr):
     """Encode fp32 tile S [BV, DK] (rows rv of matrix ``mat``) into format FMT, store it, and
     return the decoded (rounded) tile. Stochastic rounding is keyed by (seed, stream, logical
-    element index). For NVFP4 the tile must hold the whole matrix (BV = DV)."""
+    element index). For NVFP4 the tile is one global-scale row block, stored at ``gidx``."""
     BV: tl.constexpr = S.shape[0]
     row = mat * DV + rv[:, None]
     r24 = tl.zeros((BV, DK), dtype=tl.int64)
@@ -160,6 +161,64 @@ def store_tile(S, v_ptr, s_ptr, g_ptr, mat, head, rv, ck, seed, stream,
         tl.store(v_ptr + row * (DK // 2) + half[None, :], (even | (odd << 4)).to(tl.uint8))
         sb = tl.arange(0, NB)
         tl.store(s_ptr + (mat * DV + rv[:, None]) * NB + sb[None, :], s.to(tl.float8e4nv))
-        tl.store(g_ptr + mat, gs)
+        tl.store(g_ptr + gidx, gs)
         out = tl.reshape(q, (BV, NB, 16)) * s[:, :, None]
         return tl.reshape(out, (BV, DK)) * gs
+
+
+@triton.jit
+def load_read(v_ptr, s_ptr, g_ptr, mat, gidx, rv, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr):
+    """Rows ``rv`` of a read copy in the format's own layout, for ``matvec``: (values_a,
+    values_b, scale). fp32/16/bf16: ([BV, DK], same, 1). fp8: ([BV, DK/32, 32], same, block
+    scales [BV, DK/32]). NVFP4: (even elements [BV, DK/16, 8], odd elements, block scale x
+    global scale [BV, DK/16]). Nothing is expanded to [BV, DK] with per-element scale loads."""
+    row = mat * DV + rv
+    if FMT <= 2:
+        ck = tl.arange(0, DK)
+        v = tl.load(v_ptr + row[:, None] * DK + ck[None, :]).to(tl.float32)
+        return v, v, 1.0
+    elif FMT == 3:
+        NB: tl.constexpr = DK // 32
+        nb = tl.arange(0, NB)
+        e = tl.arange(0, 32)
+        v = tl.load(v_ptr + row[:, None, None] * DK + nb[None, :, None] * 32 + e[None, None, :]).to(tl.float32)
+        sc = tl.load(s_ptr + row[:, None] * NB + nb[None, :])
+        return v, v, sc
+    else:
+        NB: tl.constexpr = DK // 16
+        nb = tl.arange(0, NB)
+        e = tl.arange(0, 8)
+        byte = tl.load(v_ptr + row[:, None, None] * (DK // 2) + nb[None, :, None] * 8 + e[None, None, :])
+        byte = byte.to(tl.int16)
+        # the fp16 bit pattern of an e2m1 code is its value times 2**-14 (folded into the scale)
+        lo = (((byte & 8) << 12) | ((byte & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (((byte & 128) << 8) | ((byte & 112) << 5)).to(tl.float16, bitcast=True).to(tl.float32)
+        sc = tl.load(s_ptr + row[:, None] * NB + nb[None, :]).to(tl.float32) * (tl.load(g_ptr + gidx) * 16384.0)
+        return lo, hi, sc
+
+
+@triton.jit
+def load_query(ptr, DK: tl.constexpr, FMT: tl.constexpr):
+    """A query vector of DK elements at ``ptr`` as fp32, in the layout ``matvec`` pairs with
+    ``load_read``'s values: [DK]; [DK/32, 32]; or (even, odd) [DK/16, 8]."""
+    if FMT <= 2:
+        q = tl.load(ptr + tl.arange(0, DK)).to(tl.float32)
+        return q, q
+    elif FMT == 3:
+        q = tl.load(ptr + tl.arange(0, DK // 32)[:, None] * 32 + tl.arange(0, 32)[None, :]).to(tl.float32)
+        return q, q
+    else:
+        off = tl.arange(0, DK // 16)[:, None] * 16 + 2 * tl.arange(0, 8)[None, :]
+        return tl.load(ptr + off).to(tl.float32), tl.load(ptr + off + 1).to(tl.float32)
+
+
+@triton.jit
+def matvec(va, vb, sc, qa, qb, FMT: tl.constexpr):
+    """S_read q [BV] from ``load_read`` values and a ``load_query`` vector: block partial sums
+    first, then one scale multiply per block."""
+    if FMT <= 2:
+        return tl.sum(va * qa[None, :], 1)
+    elif FMT == 3:
+        return tl.sum(tl.sum(va * qa[None, :, :], 2) * sc, 1)
+    else:
+        return tl.sum((tl.sum(va * qa[None, :, :], 2) + tl.sum(vb * qb[None, :, :], 2)) * sc, 1)

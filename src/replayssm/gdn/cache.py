@@ -13,7 +13,7 @@ class GDNCache(ReplayCache):
 
     State per slot [num_v_heads, head_v_dim, head_k_dim] (= [HV, V, K], the layout of vLLM's
     packed decode); value head h reads key head h // (HV / HK). Buffer fields per token: raw
-    ``k`` [HK, K] (after optional L2 norm) and ``v`` [HV, V] in buffer_dtype, ``g`` and ``beta``
+    ``k`` [HK, K] (fp32, after optional L2 norm) and ``v`` [HV, V] (buffer_dtype), ``g`` and ``beta``
     [HV] fp32 (kept raw so that refresh re-solves residuals from the anchor), and the read-path
     residuals ``u`` [HV, V] fp32 (reused by later outputs of the same window).
     """
@@ -30,7 +30,9 @@ class GDNCache(ReplayCache):
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         f32 = torch.float32
-        fields = {"k": ((num_k_heads, head_k_dim), buffer_dtype), "v": ((num_v_heads, head_v_dim), buffer_dtype),
+        # k is stored in fp32: it is L2-normalized in fp32 before storage, and rounding the
+        # normalized key to a 16-bit buffer would add an error the conventional kernel lacks
+        fields = {"k": ((num_k_heads, head_k_dim), f32), "v": ((num_v_heads, head_v_dim), buffer_dtype),
                   "g": ((num_v_heads,), f32), "beta": ((num_v_heads,), f32),
                   "u": ((num_v_heads, head_v_dim), f32)}
         super().__init__(num_slots, num_v_heads, head_v_dim, head_k_dim, window=window,

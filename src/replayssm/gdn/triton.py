@@ -17,22 +17,35 @@ import triton
 import triton.language as tl
 
 from .._triton import launch
-from .._triton.formats import load_tile, store_tile
+from .._triton.decay import segment_to
+from .._triton.formats import load_query, load_read, load_tile, matvec, store_tile
 
-DOT = "tf32x3"
 
 
 @triton.jit
-def _substitute(U, A, RHS, j, first, COUNT: tl.constexpr):
-    """Forward substitution for columns first .. first+COUNT-1 of U [BV, LP]:
-    U[:, jj] = RHS[:, jj] - U @ A[jj, :] (A strictly lower triangular, [LP, LP])."""
-    for s in tl.static_range(COUNT):
-        jj = first + s
-        a_row = tl.sum(tl.where(j[:, None] == jj, A, 0.0), 0)  # [LP]
-        rhs = tl.sum(tl.where(j[None, :] == jj, RHS, 0.0), 1)  # [BV]
-        u = rhs - tl.sum(U * a_row[None, :], 1)
-        U = tl.where(j[None, :] == jj, u[:, None], U)
-    return U
+def _gdn_scores_kernel(slots_ptr, committed_ptr, bk_ptr, k_ptr, q_ptr, scores_ptr, SCRATCH, HK,
+                       T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr):
+    """scores[b, kh, 0, s, j] = k_j . q_s and scores[b, kh, 1, s, j] = k_j . k_s over the entries
+    of the window (committed + new), once per (batch row, key head)."""
+    pid_b, khead = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(slots_ptr + pid_b)
+    row = tl.where(slot >= 0, slot, SCRATCH).to(tl.int64)
+    h = tl.where(slot >= 0, tl.load(committed_ptr + row), 0)
+    h = tl.where(h + T > L, 0, h)  # a refreshing slot sees only its new tokens
+    j = tl.arange(0, LP)
+    ck = tl.arange(0, DK)
+    old = j < h
+    new = (j >= h) & (j < h + T)
+    K = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :], mask=old[:, None], other=0.0)
+    K = K.to(tl.float32) + tl.load(k_ptr + (((pid_b * T + j - h)[:, None]) * HK + khead) * DK + ck[None, :],
+                                   mask=new[:, None], other=0.0).to(bk_ptr.dtype.element_ty).to(tl.float32)
+    for s in tl.static_range(T):
+        tok = pid_b * T + s
+        q = tl.load(q_ptr + (tok * HK + khead) * DK + ck).to(tl.float32)
+        k = tl.load(k_ptr + (tok * HK + khead) * DK + ck).to(bk_ptr.dtype.element_ty).to(tl.float32)
+        base = ((pid_b * HK + khead) * 2 * T + s) * LP
+        tl.store(scores_ptr + base + j, tl.sum(K * q[None, :], 1))
+        tl.store(scores_ptr + base + T * LP + j, tl.sum(K * k[None, :], 1))
 
 
 @triton.jit
@@ -40,9 +53,9 @@ def _gdn_step_kernel(
         slots_ptr, committed_ptr, tokens_ptr, seeds_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
         bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, bu_ptr,
-        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, scores_ptr, o_ptr,
         SCRATCH, HV, HK,
-        T: tl.constexpr, TP: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
+        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr):
@@ -54,39 +67,31 @@ def _gdn_step_kernel(
     need = valid & (h + T > L)
     khead = head // (HV // HK)
     mat = row * HV + head
+    gidx = mat * (DV // BV) + pid_v  # NVFP4 global-scale block of these rows
     rv = pid_v * BV + tl.arange(0, BV)
     ck = tl.arange(0, DK)
     j = tl.arange(0, LP)
-    s = tl.arange(0, TP)
     buf_tok = row * L + j
-    lower = j[None, :] < j[:, None]  # [LP, LP]: column i < row j
 
-    if need:  # refresh: re-solve the committed residuals from the anchor and fold them
-        old = j < h
-        g_c = tl.load(bg_ptr + buf_tok * HV + head, mask=old, other=0.0)
-        beta_c = tl.load(bbeta_ptr + buf_tok * HV + head, mask=old, other=0.0)
-        K = tl.load(bk_ptr + (buf_tok[:, None] * HK + khead) * DK + ck[None, :], mask=old[:, None],
-                    other=0.0).to(tl.float32)
-        Vt = tl.load(bv_ptr + (buf_tok[None, :] * HV + head) * DV + rv[:, None], mask=old[None, :],
-                     other=0.0).to(tl.float32)  # [BV, LP]
-        S = load_tile(av_ptr, as_ptr, ag_ptr, mat, rv, ck, DV, DK, A_FMT)
-        c = tl.cumsum(g_c, 0)
-        total = tl.sum(g_c, 0)
-        SK = tl.dot(S, tl.trans(K), input_precision=DOT)  # [BV, LP]
-        KK = tl.dot(K, tl.trans(K), input_precision=DOT)  # [LP, LP]
-        RHS = beta_c[None, :] * (Vt - tl.exp(c)[None, :] * SK)
-        A = beta_c[:, None] * tl.exp(tl.where(lower, c[:, None] - c[None, :], float("-inf"))) * KK
-        U = _substitute(tl.zeros((BV, LP), tl.float32), A, RHS, j, 0, L)
-        S = S * tl.exp(total) + tl.dot(U * tl.exp(total - c)[None, :], K, input_precision=DOT)
+    if need:  # refresh: re-solve the committed residuals from the anchor, token by token
+        S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
+        for jj in range(0, L):  # the conventional recurrence over the committed tokens (none past h)
+            tok_j = row * L + jj
+            m = jj < h
+            kr = tl.load(bk_ptr + (tok_j * HK + khead) * DK + ck, mask=m & (ck < DK), other=0.0).to(tl.float32)
+            vr = tl.load(bv_ptr + (tok_j * HV + head) * DV + rv, mask=m & (rv < DV), other=0.0).to(tl.float32)
+            S = S * tl.exp(tl.load(bg_ptr + tok_j * HV + head, mask=m, other=0.0))
+            u = tl.load(bbeta_ptr + tok_j * HV + head, mask=m, other=0.0) * (vr - tl.sum(S * kr[None, :], 1))
+            S += u[:, None] * kr[None, :]
         tok = tl.load(tokens_ptr + row)
         seed = tl.load(seeds_ptr + row)
-        S_read = store_tile(S, av_ptr, as_ptr, ag_ptr, mat, head, rv, ck, seed, tok * 2,
-                            DV, DK, A_FMT, A_SR)
+        store_tile(S, av_ptr, as_ptr, ag_ptr, mat, gidx, head, rv, ck, seed, tok * 2, DV, DK, A_FMT, A_SR)
         if not SHARED:
-            S_read = store_tile(S, rv_ptr, rs_ptr, rg_ptr, mat, head, rv, ck, seed, tok * 2 + 1,
-                                DV, DK, R_FMT, R_SR)
-    else:
-        S_read = load_tile(rv_ptr, rs_ptr, rg_ptr, mat, rv, ck, DV, DK, R_FMT)
+            store_tile(S, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck, seed, tok * 2 + 1,
+                       DV, DK, R_FMT, R_SR)
+        tl.debug_barrier()  # the rows just written are read back below by other threads
+    # the read copy in its own layout (the anchor itself when shared)
+    ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
     h = tl.where(need, 0, h)
 
     old = j < h
@@ -94,39 +99,30 @@ def _gdn_step_kernel(
     inp = pid_b * T + (j - h)
     g = tl.load(bg_ptr + buf_tok * HV + head, mask=old, other=0.0) + \
         tl.load(g_ptr + inp * HV + head, mask=new, other=0.0)
-    beta = tl.load(bbeta_ptr + buf_tok * HV + head, mask=old, other=0.0) + \
-        tl.load(beta_ptr + inp * HV + head, mask=new, other=0.0)
-    K = tl.load(bk_ptr + (buf_tok[:, None] * HK + khead) * DK + ck[None, :], mask=old[:, None], other=0.0)
-    K = K.to(tl.float32) + tl.load(k_ptr + (inp[:, None] * HK + khead) * DK + ck[None, :],
-                                   mask=new[:, None], other=0.0).to(bk_ptr.dtype.element_ty).to(tl.float32)
-    v_new = tl.load(v_ptr + (inp[None, :] * HV + head) * DV + rv[:, None], mask=new[None, :], other=0.0)
-    v_new = v_new.to(bv_ptr.dtype.element_ty)  # [BV, LP]
     U = tl.load(bu_ptr + (buf_tok[None, :] * HV + head) * DV + rv[:, None], mask=old[None, :], other=0.0)
-    q_tok = pid_b * T + s
-    Q = tl.load(q_ptr + (q_tok[:, None] * HK + khead) * DK + ck[None, :], mask=(s < T)[:, None],
-                other=0.0).to(tl.float32)
-
-    c = tl.cumsum(g, 0)
-    SK = tl.dot(S_read, tl.trans(K), input_precision=DOT)
-    KK = tl.dot(K, tl.trans(K), input_precision=DOT)
-    RHS = beta[None, :] * (v_new.to(tl.float32) - tl.exp(c)[None, :] * SK)
-    A = tl.where(new[:, None], beta[:, None], 0.0) * \
-        tl.exp(tl.where(lower, c[:, None] - c[None, :], float("-inf"))) * KK
-    U = _substitute(U, A, RHS, j, h, T)  # committed columns keep their cached residuals
-
-    t = h + s
-    c_t = tl.sum(tl.where(j[None, :] == t[:, None], c[None, :], 0.0), 1)
-    causal = j[:, None] <= t[None, :]
-    decay = tl.exp(tl.where(causal, c_t[None, :] - c[:, None], float("-inf")))
-    W = tl.dot(K, tl.trans(Q), input_precision=DOT) * decay  # [LP, TP]
-    O = tl.dot(S_read, tl.trans(Q), input_precision=DOT) * tl.exp(c_t)[None, :]
-    O += tl.dot(U, W, input_precision=DOT)
-
-    out_off = (q_tok[None, :] * HV + head) * DV + rv[:, None]
-    tl.store(o_ptr + out_off, tl.where(valid, O, 0.0), mask=(s < T)[None, :] & (rv[:, None] < DV))
-    row_off = (buf_tok[None, :] * HV + head) * DV + rv[:, None]  # [BV, LP]
-    tl.store(bv_ptr + row_off, v_new, mask=new[None, :])
-    tl.store(bu_ptr + row_off, U, mask=new[None, :])
+    for s in tl.static_range(T):
+        t = h + s
+        tok_in = pid_b * T + s
+        tok_buf = row * L + t
+        c_t = tl.sum(tl.where(j <= t, g, 0.0), 0)  # log decay from the checkpoint to t
+        seg = segment_to(g, t)  # log decay from entry j to t
+        v_s = tl.load(v_ptr + (tok_in * HV + head) * DV + rv).to(bv_ptr.dtype.element_ty)
+        # residual u_s = beta_s (v_s - alpha_s S_{t-1} k_s), with S_{t-1} never formed
+        base = ((pid_b * HK + khead) * 2 * T + s) * LP
+        before = tl.where(j < t, tl.exp(tl.where(j < t, seg, float("-inf"))), 0.0) * \
+            tl.load(scores_ptr + base + T * LP + j)
+        ka, kb = load_query(k_ptr + (tok_in * HK + khead) * DK, DK, R_FMT)
+        Sk = tl.exp(c_t) * matvec(ra, rb, rsc, ka, kb, R_FMT) + tl.sum(U * before[None, :], 1)
+        u_s = tl.load(beta_ptr + tok_in * HV + head) * (v_s.to(tl.float32) - Sk)
+        U = tl.where(j[None, :] == t, u_s[:, None], U)
+        # output o_s = S_t q_s = gamma_t S_read q_s + sum_{j <= t} gamma_{j+1:t} (k_j . q_s) u_j
+        qa, qb = load_query(q_ptr + (tok_in * HK + khead) * DK, DK, R_FMT)
+        upto = tl.where(j <= t, tl.exp(tl.where(j <= t, seg, float("-inf"))), 0.0) * \
+            tl.load(scores_ptr + base + j)
+        o = tl.exp(c_t) * matvec(ra, rb, rsc, qa, qb, R_FMT) + tl.sum(U * upto[None, :], 1)
+        tl.store(o_ptr + (tok_in * HV + head) * DV + rv, tl.where(valid, o, 0.0))
+        tl.store(bv_ptr + (tok_buf * HV + head) * DV + rv, v_s)  # rows only this program reads
+        tl.store(bu_ptr + (tok_buf * HV + head) * DV + rv, u_s)
 
 
 def step(cache, slots, q, k, v, g, beta, commit: bool):
@@ -142,12 +138,17 @@ def step(cache, slots, q, k, v, g, beta, commit: bool):
     o = torch.empty(b, T, HV, V, dtype=torch.float32, device=v.device)
     bv = launch.block_rows(cache, b)
     buf = cache.buffer
+    LP = max(16, triton.next_power_of_2(cache.window))
+    HK = cache.num_k_heads
+    scores = torch.empty(b, HK, 2, T, LP, dtype=torch.float32, device=v.device)
+    _gdn_scores_kernel[(b, HK)](slots, cache.committed, buf["k"], k, q, scores, cache.scratch_row, HK,
+                                T=T, L=cache.window, LP=LP, DK=cache.head_k_dim)
     _gdn_step_kernel[(b, HV, V // bv)](
         slots, cache.committed, cache.tokens, cache.seeds, *anchor, *read,
         buf["k"], buf["v"], buf["g"], buf["beta"], buf["u"],
-        q, k, v, g, beta, o, cache.scratch_row, HV, cache.num_k_heads,
-        T=T, TP=max(16, triton.next_power_of_2(T)), L=cache.window,
-        LP=max(16, triton.next_power_of_2(cache.window)), DV=V, DK=cache.head_k_dim, BV=bv,
+        q, k, v, g, beta, scores, o, cache.scratch_row, HV, HK,
+        T=T, L=cache.window, LP=LP, DV=V,
+        DK=cache.head_k_dim, BV=bv,
         num_warps=4 if bv * cache.head_k_dim <= 4096 else 8, **consts)
     launch.advance(cache, slots, T, commit, {"k": k, "g": g, "beta": beta})
     return o

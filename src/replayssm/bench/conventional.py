@@ -1,0 +1,92 @@
+"""Conventional decode kernels, the baselines ReplaySSM is measured against.
+
+Each reads the full fp32 state of a (slot, head), applies one token (or T drafts), and writes the
+state back (or, speculative, writes one state per draft, as vLLM/SGLang do for rollback). Written
+to sit at the memory roof: one program per block of state rows, coalesced row loads.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mamba2_conv_kernel(state_ptr, inter_ptr, slots_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr,
+                        y_ptr, H, G, T: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
+                        BV: tl.constexpr, SPEC: tl.constexpr):
+    pid_b, head, pid_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    slot = tl.load(slots_ptr + pid_b).to(tl.int64)
+    rv = pid_v * BV + tl.arange(0, BV)
+    ck = tl.arange(0, DK)
+    group = head // (H // G)
+    off = ((slot * H + head) * DV + rv[:, None]) * DK + ck[None, :]
+    S = tl.load(state_ptr + off)
+    A = tl.load(A_ptr + head)
+    D = tl.load(D_ptr + head)
+    for s in tl.static_range(T):
+        tok = pid_b * T + s
+        dt = tl.load(dt_ptr + tok * H + head)
+        x = tl.load(x_ptr + (tok * H + head) * DV + rv).to(tl.float32)
+        Bv = tl.load(B_ptr + (tok * G + group) * DK + ck).to(tl.float32)
+        Cv = tl.load(C_ptr + (tok * G + group) * DK + ck).to(tl.float32)
+        S = S * tl.exp(A * dt) + (dt * x)[:, None] * Bv[None, :]
+        y = tl.sum(S * Cv[None, :], 1) + D * x
+        tl.store(y_ptr + (tok * H + head) * DV + rv, y)
+        if SPEC:  # one state per draft, kept for rollback
+            tl.store(inter_ptr + ((slot * T + s) * H + head) * DV * DK + rv[:, None] * DK + ck[None, :], S)
+    if not SPEC:
+        tl.store(state_ptr + off, S)
+
+
+def mamba2_conventional(state, slots, x, dt, A, B, C, D, inter=None, block_rows=16):
+    """state fp32 [pool, H, P, N] updated in place (or, with ``inter`` [pool, T, H, P, N], one
+    state per draft written there); x [b, T, H, P]; dt fp32 [b, T, H] (after softplus);
+    A, D [H]; B, C [b, T, G, N]. Returns y fp32 [b, T, H, P]."""
+    b, T, H, P = x.shape
+    N, G = state.shape[-1], B.shape[2]
+    y = torch.empty(b, T, H, P, device=x.device, dtype=torch.float32)
+    _mamba2_conv_kernel[(b, H, P // block_rows)](
+        state, state if inter is None else inter, slots, x, dt, A, B, C, D, y, H, G,
+        T=T, DV=P, DK=N, BV=block_rows, SPEC=inter is not None, num_warps=4)
+    return y
+
+
+@triton.jit
+def _gdn_conv_kernel(state_ptr, inter_ptr, slots_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
+                     HV, HK, T: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+                     SPEC: tl.constexpr):
+    pid_b, head, pid_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    slot = tl.load(slots_ptr + pid_b).to(tl.int64)
+    rv = pid_v * BV + tl.arange(0, BV)
+    ck = tl.arange(0, DK)
+    khead = head // (HV // HK)
+    off = ((slot * HV + head) * DV + rv[:, None]) * DK + ck[None, :]
+    S = tl.load(state_ptr + off)
+    for s in tl.static_range(T):
+        tok = pid_b * T + s
+        q = tl.load(q_ptr + (tok * HK + khead) * DK + ck).to(tl.float32)
+        k = tl.load(k_ptr + (tok * HK + khead) * DK + ck).to(tl.float32)
+        v = tl.load(v_ptr + (tok * HV + head) * DV + rv).to(tl.float32)
+        g = tl.load(g_ptr + tok * HV + head)
+        beta = tl.load(beta_ptr + tok * HV + head)
+        S = S * tl.exp(g)
+        u = beta * (v - tl.sum(S * k[None, :], 1))
+        S = S + u[:, None] * k[None, :]
+        tl.store(o_ptr + (tok * HV + head) * DV + rv, tl.sum(S * q[None, :], 1))
+        if SPEC:
+            tl.store(inter_ptr + ((slot * T + s) * HV + head) * DV * DK + rv[:, None] * DK + ck[None, :], S)
+    if not SPEC:
+        tl.store(state_ptr + off, S)
+
+
+def gdn_conventional(state, slots, q, k, v, g, beta, inter=None, block_rows=16):
+    """state fp32 [pool, HV, V, K] in place (or one state per draft into ``inter``); q, k
+    [b, T, HK, K] (normalized, q scaled); v [b, T, HV, V]; g, beta fp32 [b, T, HV]."""
+    b, T, HV, V = v.shape
+    K, HK = state.shape[-1], q.shape[2]
+    o = torch.empty(b, T, HV, V, device=v.device, dtype=torch.float32)
+    _gdn_conv_kernel[(b, HV, V // block_rows)](
+        state, state if inter is None else inter, slots, q, k, v, g, beta, o, HV, HK,
+        T=T, DV=V, DK=K, BV=block_rows, SPEC=inter is not None, num_warps=4)
+    return o

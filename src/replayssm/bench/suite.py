@@ -1,0 +1,198 @@
+"""GPU benchmark machinery: geometries, inputs, CUDA-graph timing, traffic model.
+
+Timing: every measured region is a CUDA graph of whole windows (so refresh steps are counted
+once per L tokens), replayed many times; the figure is the median per step. Slots rotate over a
+pool whose state is several times the L2 cache, so no step reads state left in cache by the last.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+import replayssm as rs
+from replayssm.gdn.ops import l2norm
+
+from .conventional import gdn_conventional, mamba2_conventional
+
+GEOMETRIES = {
+    # name: (arch, dims)   mamba2 dims = (H, P, N, G); gdn dims = (HK, HV, K, V)
+    "nemotron3-super": ("mamba2", (128, 64, 128, 8)),
+    "nemotron3-nano": ("mamba2", (64, 64, 128, 8)),
+    "mamba2-2.7b": ("mamba2", (80, 64, 128, 1)),
+    "qwen35-122b": ("gdn", (16, 64, 128, 128)),
+    "qwen3-next": ("gdn", (16, 32, 128, 128)),
+}
+L2_BYTES = 60 * 2**20
+
+
+@dataclass
+class Problem:
+    arch: str
+    dims: tuple
+    batch: int
+    T: int  # tokens per step (1 = decode)
+
+    @property
+    def state_elems(self) -> int:
+        if self.arch == "mamba2":
+            H, P, N, _ = self.dims
+            return H * P * N
+        _, HV, K, V = self.dims
+        return HV * V * K
+
+
+def make_inputs(p: Problem, device, gen, dtype=torch.bfloat16):
+    """Random inputs at realistic scales for one step of ``p`` (dict of tensors)."""
+    b, T = p.batch, p.T
+    r = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
+    u = lambda *s: torch.rand(*s, device=device, generator=gen)  # noqa: E731
+    if p.arch == "mamba2":
+        H, P, N, G = p.dims
+        return dict(x=r(b, T, H, P).to(dtype), dt=(u(b, T, H) * 2 - 3.5), B=(r(b, T, G, N) * 0.3).to(dtype),
+                    C=(r(b, T, G, N) * 0.3).to(dtype), z=r(b, T, H, P).to(dtype))
+    HK, HV, K, V = p.dims
+    return dict(q=r(b, T, HK, K).to(dtype), k=r(b, T, HK, K).to(dtype), v=r(b, T, HV, V).to(dtype),
+                g=torch.log(0.85 + 0.149 * u(b, T, HV)), beta=u(b, T, HV).to(dtype))
+
+
+def make_params(p: Problem, device, gen):
+    if p.arch != "mamba2":
+        return {}
+    H = p.dims[0]
+    return dict(A=-(0.3 + 1.7 * torch.rand(H, device=device, generator=gen)),
+                D=torch.randn(H, device=device, generator=gen),
+                dt_bias=torch.randn(H, device=device, generator=gen) * 0.5)
+
+
+def make_cache(p: Problem, num_slots, precision, window, max_draft, device, buffer_dtype=torch.bfloat16):
+    if p.arch == "mamba2":
+        H, P, N, G = p.dims
+        c = rs.Mamba2Cache(num_slots, H, P, N, ngroups=G, window=window, max_draft=max_draft,
+                           precision=precision, device=device, buffer_dtype=buffer_dtype)
+    else:
+        HK, HV, K, V = p.dims
+        c = rs.GDNCache(num_slots, HK, HV, K, V, window=window, max_draft=max_draft,
+                        precision=precision, device=device, buffer_dtype=buffer_dtype)
+    return c
+
+
+def replay_call(p: Problem, cache, slots, inp, prm, verify: bool):
+    """One ReplaySSM decode (T = 1) or verify call."""
+    if p.arch == "mamba2":
+        sq = (lambda t: t[:, 0]) if not verify else (lambda t: t)
+        fn = rs.mamba2_verify if verify else rs.mamba2_decode
+        return fn(cache, slots, sq(inp["x"]), sq(inp["dt"]), prm["A"], sq(inp["B"]), sq(inp["C"]),
+                  prm["D"], sq(inp["z"]), prm["dt_bias"], True)
+    sq = (lambda t: t[:, 0]) if not verify else (lambda t: t)
+    fn = rs.gdn_verify if verify else rs.gdn_decode
+    return fn(cache, slots, sq(inp["q"]), sq(inp["k"]), sq(inp["v"]), sq(inp["g"]), sq(inp["beta"]),
+              use_qk_l2norm=True)
+
+
+def conventional_call(p: Problem, state, slots, inp, prm, inter=None):
+    """The conventional kernel on the same inputs (prepared the same way as ReplaySSM's)."""
+    if p.arch == "mamba2":
+        dt = torch.nn.functional.softplus(inp["dt"] + prm["dt_bias"])
+        y = mamba2_conventional(state, slots, inp["x"], dt, prm["A"], inp["B"], inp["C"], prm["D"], inter)
+        return y * torch.nn.functional.silu(inp["z"].float())
+    K = p.dims[2]
+    q, k = l2norm(inp["q"]) * K ** -0.5, l2norm(inp["k"])
+    return gdn_conventional(state, slots, q, k, inp["v"], inp["g"], inp["beta"].float(), inter)
+
+
+def pool_groups(p: Problem, state_bytes_per_elem: float = 4.0, min_bytes: int = 4 * L2_BYTES) -> int:
+    """Number of slot groups to rotate over so the pool's state is >= min_bytes."""
+    per_group = p.batch * p.state_elems * state_bytes_per_elem
+    return max(1, math.ceil(min_bytes / per_group))
+
+
+def time_graph(step_fns, reps: int = 20) -> tuple[float, float]:
+    """Capture the callables in one CUDA graph; return (median, IQR/2) microseconds per callable."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for fn in step_fns:  # warm-up / compile outside the graph
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for fn in step_fns:
+            fn()
+    for _ in range(3):
+        g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(step_fns))
+    t = torch.tensor(times)
+    q = torch.quantile(t, torch.tensor([0.25, 0.5, 0.75]))
+    return float(q[1]), float(q[2] - q[0]) / 2
+
+
+def copy_bandwidth(nbytes: int = 2**30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    a = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    b = torch.empty_like(a)
+    us, _ = time_graph([lambda: b.copy_(a)] * 4, reps=20)
+    return 2 * nbytes / (us * 1e-6)
+
+
+def traffic(p: Problem, cache, window: int, refresh_fraction: float) -> dict:
+    """Bytes per step (state traffic) from the storage formats.
+
+    conventional: read + write the fp32 state. ReplaySSM: read the read copy on non-refresh
+    steps; on a refresh step read the anchor, write anchor and read copy (outputs come from
+    registers). Buffer reads: on average (L-1)/2 committed entries per step.
+    """
+    n = p.batch * p.state_elems
+    per = cache.bytes_per_slot()
+    A, R = per["anchor"], per["read_copy"] or per["anchor"]
+    write_read = per["read_copy"]
+    buf_entry = per["buffer"] / window
+    f = refresh_fraction
+    T = p.T
+    ours = p.batch * ((1 - f) * R + f * (A + A + write_read) + buf_entry * ((window - 1) / 2 + T))
+    conv = n * 4 * (1 + T) if T > 1 else n * 8
+    return {"conventional": conv, "replay": ours}
+
+
+def baseline_available(name: str) -> str | None:
+    """None if the baseline can run here, else why not."""
+    try:
+        if name == "mamba_ssm":
+            from mamba_ssm.ops.triton.selective_state_update import selective_state_update  # noqa: F401
+        elif name == "fla":
+            from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule  # noqa: F401
+        return None
+    except Exception as exc:  # an optional dependency: report, never fake
+        return f"{type(exc).__name__}: {exc}"
+
+
+def mamba_ssm_call(p: Problem, state, slots, inp, prm):
+    """mamba_ssm's selective_state_update (head-tied dt/A as vLLM passes them), in place."""
+    from mamba_ssm.ops.triton.selective_state_update import selective_state_update
+    H, P, N, _ = p.dims
+    dt = inp["dt"][:, 0, :, None].expand(-1, -1, P)
+    return selective_state_update(state, inp["x"][:, 0], dt, prm["A"][:, None, None].expand(H, P, N),
+                                  inp["B"][:, 0], inp["C"][:, 0], prm["D"][:, None].expand(H, P),
+                                  inp["z"][:, 0], prm["dt_bias"][:, None].expand(H, P), dt_softplus=True,
+                                  state_batch_indices=slots)
+
+
+def fla_call(p: Problem, state, start: int, inp, prm):
+    """flash-linear-attention's fused_recurrent_gated_delta_rule on state[start:start+b]
+    ([N, HV, V, K], its fast layout), writing the final state (read + write of the state)."""
+    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
+    o, _ = fused_recurrent_gated_delta_rule(
+        inp["q"], inp["k"], inp["v"], g=inp["g"], beta=inp["beta"],
+        initial_state=state[start:start + p.batch], output_final_state=True,
+        use_qk_l2norm_in_kernel=True, state_v_first=True)
+    return o

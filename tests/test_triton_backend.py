@@ -1,0 +1,121 @@
+"""The Triton backend, run by Triton's interpreter on the CPU (TRITON_INTERPRET=1, conftest),
+against the float64 recurrence and against the PyTorch backend: decode across refreshes,
+speculative rounds with every accept count, pad slots, slots at different window positions,
+and the two-precision invariants. Geometries are the smallest the kernels tile (dims >= 16)."""
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import helpers  # noqa: E402
+import replayssm as rs  # noqa: E402
+
+GEOMETRY = {"mamba2": dict(nheads=4, headdim=16, dstate=32, ngroups=2),
+            "gdn": dict(num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=16)}
+
+
+class TritonLayer:
+    """A helpers layer whose public calls go to the Triton backend."""
+
+    def __init__(self, arch, seed=0):
+        self.base = helpers.make_layer(arch, seed, **GEOMETRY[arch])
+        self.name, self.state_shape = self.base.name, self.base.state_shape
+
+    def cache(self, num_slots, **kw):
+        return self.base.cache(num_slots, **kw)
+
+    def tokens(self, g, b, T):
+        return self.base.tokens(g, b, T)
+
+    def reference(self, state, tok):
+        return self.base.reference(state, tok)
+
+    def run(self, cache, slots, tok, verify):
+        fn = {("mamba2", False): rs.mamba2_decode, ("mamba2", True): rs.mamba2_verify,
+              ("gdn", False): rs.gdn_decode, ("gdn", True): rs.gdn_verify}[(self.name, verify)]
+        consts = self.base._consts() if self.name == "mamba2" else {"use_qk_l2norm": True}
+        if verify:
+            return fn(cache, slots, **tok, **consts, backend="triton")
+        return fn(cache, slots, **{k: v[:, 0] for k, v in tok.items()}, **consts, backend="triton")[:, None]
+
+
+def _schedule(tr, rounds, rng):
+    """Decode, then verify/accept rounds over every accept count, with a pad and staggered slots."""
+    tr.load([0, 1, 2])
+    for k in range(3):  # stagger: slot 2 is 3 tokens ahead of slot 0
+        tr.decode([2] if k < 2 else [2, 1])
+    for r in range(rounds):
+        T = 1 + r % tr.cache.max_draft
+        tr.verify([1, -1, 2, 0], T)
+        tr.accept([r % (T + 1), 0, T, (r + 1) % (T + 1)])
+        tr.decode([0, 2, -1, 1])
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
+def test_triton_s32_matches_float64_reference(arch):
+    layer = TritonLayer(arch)
+    tr = helpers.Tracker(layer, layer.cache(4, window=8, max_draft=4), seed=3)
+    _schedule(tr, rounds=10, rng=None)
+    tr.check_counters([0, 1, 2])
+    helpers.record(f"triton {arch} s32_rs max rel err", tr.max_rel)
+    assert tr.max_rel <= 2e-5, tr.max_rel
+    assert tr.state_error([0, 1, 2]) <= 1e-5
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
+@pytest.mark.parametrize("precision", ["tp8_hi32", "tp4_hi16_sr", "f4_sr_rs", "bf16_rs"])
+def test_triton_low_precision_agrees_with_torch_backend(arch, precision):
+    """Same inputs through both backends: outputs agree to the read format's rounding, the
+    anchors stay close, and the counters are identical."""
+    base = helpers.make_layer(arch, 0, **GEOMETRY[arch])
+    tl_layer = TritonLayer(arch)
+    caches = [base.cache(3, window=8, max_draft=2, precision=precision) for _ in range(2)]
+    g = helpers.generator(5)
+    slots = torch.tensor([2, -1, 0])
+    state = torch.randn(3, *base.state_shape, generator=g)
+    for c in caches:
+        c.load_state(slots, state)
+    tol = {"tp8_hi32": 0.1, "tp4_hi16_sr": 0.4, "f4_sr_rs": 0.4, "bf16_rs": 0.02}[precision]
+    for step in range(12):
+        verify = step % 3 == 2
+        tok = base.tokens(g, 3, 2 if verify else 1)
+        y_torch = base.run(caches[0], slots, tok, verify)
+        y_triton = tl_layer.run(caches[1], slots, tok, verify)
+        scale = y_torch.abs().max().clamp(min=1.0)
+        assert (y_torch - y_triton).abs().max() <= tol * scale
+        if verify:
+            for c in caches:
+                c.accept(slots, torch.tensor([1, 0, 2]))
+    a, b = (c.materialize(slots) for c in caches)
+    assert (a - b).abs().max() <= tol * a.abs().max().clamp(min=1.0)
+    assert all(torch.equal(x, y) for x, y in zip(caches[0].counters(slots).values(),
+                                                 caches[1].counters(slots).values()))
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
+def test_triton_read_precision_leaves_anchor_bit_identical(arch):
+    """Changing only the read format (fp32 anchor) changes outputs, never the anchor bits."""
+    layer = TritonLayer(arch)
+    g = helpers.generator(9)
+    slots = torch.tensor([0, 1])
+    state = torch.randn(2, *layer.state_shape, generator=g)
+    caches = {p: layer.cache(2, window=4, max_draft=2, precision=p) for p in ("s32_rs", "tp8_hi32", "tp4_hi32")}
+    outs = {p: [] for p in caches}
+    for c in caches.values():
+        c.load_state(slots, state)
+    for step in range(10):
+        tok = layer.tokens(g, 2, 1)
+        for p, c in caches.items():
+            outs[p].append(layer.run(c, slots, tok, False))
+    anchors = [c.anchor["values"][:2] for c in caches.values()]  # loaded slots (the rest is NaN-poisoned)
+    assert all(torch.equal(anchors[0], a) for a in anchors[1:])
+    assert not torch.equal(torch.cat(outs["s32_rs"]), torch.cat(outs["tp8_hi32"]))
+
+
+def test_triton_rejects_geometry_it_cannot_tile():
+    cache = rs.Mamba2Cache(2, 2, 8, 16)
+    before = helpers.snapshot(cache)
+    with pytest.raises(ValueError, match="dv"):
+        rs.mamba2_decode(cache, torch.tensor([0]), torch.randn(1, 2, 8), torch.rand(1, 2), -torch.rand(2),
+                         torch.randn(1, 1, 16), torch.randn(1, 1, 16), backend="triton")
+    assert helpers.snapshot_diff(before, helpers.snapshot(cache)) == []
