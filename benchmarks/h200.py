@@ -27,6 +27,9 @@ def say(*a):
     line = " ".join(str(x) for x in a)
     print(line, flush=True)
     LOG.append(line)
+    if os.environ.get("OUT"):  # keep the log on disk as it grows: a cut-off run still reports
+        with open(os.path.join(os.environ["OUT"], "h200.log"), "a") as f:
+            f.write(line + "\n")
 
 
 # ---------------------------------------------------------------------------------- correctness
@@ -291,8 +294,6 @@ def main():
                     say(f"[{time.time() - t0:.0f}s]")
     with open(os.path.join(args.out, "h200.json"), "w") as f:
         json.dump(res, f, indent=1)
-    with open(os.path.join(args.out, "h200.log"), "w") as f:
-        f.write("\n".join(LOG))
 
 
 _BACKEND = [None]

@@ -22,8 +22,6 @@ import math
 
 import torch
 
-from .transformers import patch
-
 DEFAULT_PRESETS = ("s32_rs", "tp8_hi32", "tp4_hi16_sr", "f4_sr_rs")
 
 __all__ = ["teacher_forced_logprobs", "eval_kl", "DEFAULT_PRESETS"]
@@ -62,6 +60,7 @@ def eval_kl(model, ids, presets=DEFAULT_PRESETS, prefix: int = 1, window: int = 
 
     ``model`` must not be patched (the stock reference runs first). ``ids`` LongTensor [1, n].
     """
+    from .transformers import patch  # lazy: the CLI can register eval-kl without transformers
     ref = teacher_forced_logprobs(model, ids, prefix)
     targets = ids[0, prefix:].to(ref.device)
     ppl_stock = math.exp(-ref.gather(-1, targets[:, None]).mean().item())
@@ -82,8 +81,8 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="replayssm eval-kl", description=__doc__.split("\n\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    """Arguments of ``replayssm eval-kl`` (for the CLI: ``evalkl.add_arguments(sub.add_parser("eval-kl"))``)."""
     ap.add_argument("--model", required=True, help="a saved transformers model folder")
     ap.add_argument("--text-file", required=True, help="UTF-8 text; byte-level models read its bytes")
     ap.add_argument("--max-tokens", type=int, default=1024)
@@ -91,15 +90,29 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--presets", default=",".join(DEFAULT_PRESETS))
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args(argv)
+    ap.set_defaults(func=run)
+
+
+def run(args) -> int:
     from transformers import AutoModelForCausalLM
     torch.set_num_threads(min(4, torch.get_num_threads()))
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    data = open(args.text_file, "rb").read()[: args.max_tokens]
-    ids = torch.tensor([list(data)], dtype=torch.long)
+    if model.config.vocab_size == 256:  # byte level
+        ids = torch.tensor([list(open(args.text_file, "rb").read()[: args.max_tokens])], dtype=torch.long)
+    else:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(args.model)
+        ids = tok(open(args.text_file).read(), return_tensors="pt").input_ids[:, : args.max_tokens]
     res = eval_kl(model, ids, presets=args.presets.split(","), prefix=args.prefix, window=args.window)
     print(json.dumps(res, indent=1) if args.json else format_table(res))
     return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="replayssm eval-kl", description=__doc__.split("\n\n")[0])
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    return args.func(args)
 
 
 if __name__ == "__main__":

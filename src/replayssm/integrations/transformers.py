@@ -7,9 +7,10 @@
 Supported models (transformers ``>=5.24,<5.25``, the range that is tested):
 
 - ``Mamba2ForCausalLM`` (every layer is a ``Mamba2Mixer``);
-- Qwen3.5 (``Qwen3_5ForCausalLM``, model_type ``qwen3_5_text``) and Qwen3-Next
-  (``Qwen3NextForCausalLM``): Gated DeltaNet layers (``Qwen3_5GatedDeltaNet`` /
-  ``Qwen3NextGatedDeltaNet``) interleaved with full-attention layers, which are left alone.
+- Qwen3.5 (``Qwen3_5ForCausalLM``, model_type ``qwen3_5_text``), Qwen3.5-MoE
+  (``Qwen3_5MoeForCausalLM``) and Qwen3-Next (``Qwen3NextForCausalLM``): Gated DeltaNet layers
+  (``Qwen3_5GatedDeltaNet`` / ``Qwen3_5MoeGatedDeltaNet`` / ``Qwen3NextGatedDeltaNet``)
+  interleaved with full-attention layers, which are left alone.
 
 What the patch does, per state-space layer (one ReplaySSM cache per layer, one slot per batch row):
 
@@ -44,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 try:
-    import transformers
+    import transformers  # noqa: F401
     from transformers.activations import ACT2FN
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("replayssm.integrations.transformers needs the 'hf' extra: "
@@ -154,7 +155,7 @@ class _LayerAdapter:
         self.dirty = False
         if hf is None:
             return
-        rec = hf.layers[self.layer_idx].recurrent_states[0]
+        rec = hf.get_recurrent_state(self.layer_idx)
         if rec is None:
             return
         state = self.cache.materialize(self.slots(self.batch, self.cache.device))
@@ -360,11 +361,11 @@ class ReplayPatch:
             raise ReplaySSMUnsupported(
                 "ReplaySSM does not support these recurrent layers: " + ", ".join(unknown[:4])
                 + (" ..." if len(unknown) > 4 else "") + ". Supported: Mamba2Mixer, Qwen3.5 / "
-                "Qwen3-Next GatedDeltaNet.")
+                "Qwen3.5-MoE / Qwen3-Next GatedDeltaNet.")
         if not self.adapters:
             raise ReplaySSMUnsupported(
                 f"{type(model).__name__} has no layer that ReplaySSM supports (Mamba2ForCausalLM, "
-                "Qwen3_5ForCausalLM, Qwen3NextForCausalLM)")
+                "Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM)")
         # validate the options once, on a 1-slot cache of the first layer (clear errors up front)
         self.adapters[0]._new_cache(1, "cpu")
         for ad in self.adapters:
@@ -385,6 +386,12 @@ class ReplayPatch:
         if (opt("num_beams", 1) or 1) > 1:
             raise ReplaySSMUnsupported("beam search is not supported with ReplaySSM (the slots are not "
                                        "reordered); use num_beams=1")
+        if opt("use_cache", True) is False:
+            raise ReplaySSMUnsupported("generate(use_cache=False) recomputes every step without a cache, so "
+                                       "there is nothing for ReplaySSM to decode; unpatch or use the cache")
+        if opt("cache_implementation") not in (None, "dynamic"):
+            raise ReplaySSMUnsupported(f"cache_implementation={opt('cache_implementation')!r} is not tested "
+                                       "with ReplaySSM; use the default dynamic cache")
         if kwargs.get("assistant_model") is not None or opt("prompt_lookup_num_tokens") is not None:
             raise ReplaySSMUnsupported("HF assisted generation / prompt lookup crops recurrent caches, which "
                                        "ReplaySSM does not do: use replayssm.integrations.speculative."

@@ -1,0 +1,353 @@
+"""Shared test machinery: per-architecture layers (random inputs at realistic scales, the public
+calls, the float64 oracle), a reference-tracking driver, and bitwise cache snapshots.
+
+Every accuracy check in the suite goes through ``Tracker``: it keeps the float64 committed state
+of each slot, computed by the conventional recurrence (``rs.*_reference``) on exactly the inputs
+the cache committed, and compares the cache's outputs against it. Nothing is ever compared against
+the code under test or against stored outputs.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+import replayssm as rs
+
+#: Measured figures, filled by the tests, printed by ``conftest.pytest_terminal_summary``.
+MEASURED: dict = {}
+
+#: Max abs error allowed for s32_rs (fp32 anchor, fp32 buffers) at unit-scale inputs.
+S32_TOL = 1e-5
+
+
+def record(key, value):
+    """Keep the worst (largest) figure seen under ``key`` for the end-of-run table."""
+    MEASURED[key] = max(MEASURED.get(key, 0.0), float(value))
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def uniform(g, shape, lo, hi):
+    return lo + (hi - lo) * torch.rand(shape, generator=g, dtype=torch.float32)
+
+
+def log_uniform(g, shape, lo, hi):
+    return torch.exp(uniform(g, shape, math.log(lo), math.log(hi)))
+
+
+# ------------------------------------------------------------------------------------------------
+# Layers: geometry + layer constants + random token inputs + the public calls + the oracle
+# ------------------------------------------------------------------------------------------------
+class Mamba2Layer:
+    """A Mamba-2 layer: H heads of [P, N], G groups. Constants A, D, dt_bias drawn from ``g``.
+
+    dt_bias is the inverse softplus of a log-uniform dt in [0.01, 1] and A lies in [-2, -0.3],
+    so per-token decays exp(A * softplus(dt_raw + dt_bias)) spread over (0, 1).
+    """
+
+    name = "mamba2"
+
+    def __init__(self, g, nheads=4, headdim=8, dstate=16, ngroups=2):
+        self.H, self.P, self.N, self.G = nheads, headdim, dstate, ngroups
+        self.A = uniform(g, (nheads,), -2.0, -0.3)
+        dt0 = log_uniform(g, (nheads,), 0.01, 1.0)
+        self.dt_bias = dt0 + torch.log(-torch.expm1(-dt0))  # softplus(dt_bias) = dt0
+        self.D = torch.randn(nheads, generator=g)
+
+    @property
+    def state_shape(self):
+        return (self.H, self.P, self.N)
+
+    def cache(self, num_slots, **kw):
+        return rs.Mamba2Cache(num_slots, self.H, self.P, self.N, ngroups=self.G, **kw)
+
+    def tokens(self, g, b, T):
+        H, P, N, G = self.H, self.P, self.N, self.G
+        return {"x": torch.randn(b, T, H, P, generator=g),
+                "dt": 0.5 * torch.randn(b, T, H, generator=g),
+                "B": torch.randn(b, T, G, N, generator=g),
+                "C": torch.randn(b, T, G, N, generator=g),
+                "z": torch.randn(b, T, H, P, generator=g)}
+
+    def _consts(self):
+        return {"A": self.A, "D": self.D, "dt_bias": self.dt_bias, "dt_softplus": True}
+
+    def run(self, cache, slots, tok, verify):
+        if verify:
+            return rs.mamba2_verify(cache, slots, **tok, **self._consts())
+        return rs.mamba2_decode(cache, slots, **{k: v[:, 0] for k, v in tok.items()},
+                                **self._consts())[:, None]
+
+    def reference(self, state, tok):
+        return rs.mamba2_reference(state, **tok, **self._consts())
+
+
+class GDNLayer:
+    """A Gated DeltaNet layer: HK key heads of dim K, HV value heads of dim V (GQA ratio HV/HK).
+
+    q, k unit-normalized in the kernel (use_qk_l2norm=True); decays exp(g) log-uniform in
+    [0.7, 0.999]; beta uniform in [0.05, 1].
+    """
+
+    name = "gdn"
+
+    def __init__(self, g, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8):
+        self.HK, self.HV, self.K, self.V = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+
+    @property
+    def state_shape(self):
+        return (self.HV, self.V, self.K)
+
+    def cache(self, num_slots, **kw):
+        return rs.GDNCache(num_slots, self.HK, self.HV, self.K, self.V, **kw)
+
+    def tokens(self, g, b, T):
+        HK, HV, K, V = self.HK, self.HV, self.K, self.V
+        return {"q": torch.randn(b, T, HK, K, generator=g),
+                "k": torch.randn(b, T, HK, K, generator=g),
+                "v": torch.randn(b, T, HV, V, generator=g),
+                "g": torch.log(log_uniform(g, (b, T, HV), 0.7, 0.999)),
+                "beta": uniform(g, (b, T, HV), 0.05, 1.0)}
+
+    def run(self, cache, slots, tok, verify):
+        if verify:
+            return rs.gdn_verify(cache, slots, **tok, use_qk_l2norm=True)
+        return rs.gdn_decode(cache, slots, **{k: v[:, 0] for k, v in tok.items()},
+                             use_qk_l2norm=True)[:, None]
+
+    def reference(self, state, tok):
+        return rs.gdn_reference(state, **tok, use_qk_l2norm=True)
+
+
+LAYERS = {"mamba2": Mamba2Layer, "gdn": GDNLayer}
+
+
+def make_layer(arch, seed=0, **geometry):
+    return LAYERS[arch](generator(seed), **geometry)
+
+
+def take(tok, i, n=None):
+    """Row ``i`` of every token input, first ``n`` draft positions (all when None)."""
+    return {k: v[i:i + 1, :n] for k, v in tok.items()}
+
+
+# ------------------------------------------------------------------------------------------------
+# Bitwise snapshots
+# ------------------------------------------------------------------------------------------------
+def _bytes(t):
+    return t.detach().contiguous().reshape(-1).view(torch.uint8).clone()
+
+
+def snapshot(cache, rows=None):
+    """Every tensor of the cache as raw bytes (NaN-safe bitwise comparison); ``rows`` selects
+    storage rows (every tensor of the cache is indexed by row first)."""
+    out = {}
+    for k, v in cache.state_dict().items():
+        if k == "config":
+            continue
+        out[k] = _bytes(v if rows is None else v[rows])
+    return out
+
+
+def snapshot_diff(a, b):
+    """Names of the entries whose bytes differ between two snapshots."""
+    assert a.keys() == b.keys()
+    return sorted(k for k in a if not torch.equal(a[k], b[k]))
+
+
+def parts_equal(p, q):
+    """Bitwise equality of two dicts of physical format parts."""
+    return p.keys() == q.keys() and all(torch.equal(_bytes(p[k]), _bytes(q[k])) for k in p)
+
+
+def slot_parts(parts, slots):
+    return {k: v[slots] for k, v in parts.items()}
+
+
+# ------------------------------------------------------------------------------------------------
+# The reference-tracking driver
+# ------------------------------------------------------------------------------------------------
+class Tracker:
+    """Drive a cache through the public API and measure it against the float64 recurrence.
+
+    Keeps per slot: the float64 committed state (the oracle run on the committed inputs), and the
+    counters the refresh rule predicts (h, refreshes, tokens). ``slots`` arguments are Python
+    lists of slot ids, -1 for pads.
+    """
+
+    def __init__(self, layer, cache, seed=1, check_untouched=True):
+        self.layer, self.cache, self.g = layer, cache, generator(seed)
+        self.ref, self.h, self.refreshes, self.tokens = {}, {}, {}, {}
+        self.pending = None  # (slots, tok) of the verify awaiting accept
+        self.max_err = 0.0
+        self.max_ref = 0.0
+        self.max_rel = 0.0  # max over elements of |y - y_ref| / max(1, |y_ref|)
+        self.check_untouched = check_untouched
+
+    @staticmethod
+    def t(slots):
+        return torch.tensor(slots, dtype=torch.int64)
+
+    def load(self, slots, scale=1.0):
+        b = len(slots)
+        state = scale * torch.randn(b, *self.layer.state_shape, generator=self.g)
+        self.cache.load_state(self.t(slots), state)
+        for i, s in enumerate(slots):
+            if s >= 0:
+                self.ref[s] = state[i:i + 1].double()
+                self.h[s], self.refreshes[s], self.tokens[s] = 0, 0, 0
+
+    def step(self, slots, T=None):
+        """A decode (T None) or a verify of T drafts on ``slots``. Returns (y, max abs error)."""
+        verify = T is not None
+        T = T or 1
+        real = [s for s in slots if s >= 0]
+        others = [s for s in self.ref if s not in real]
+        before = snapshot(self.cache, others) if (self.check_untouched and others) else None
+        tok = self.layer.tokens(self.g, len(slots), T)
+        y = self.layer.run(self.cache, self.t(slots), tok, verify)
+        assert y.dtype == torch.float32
+        if before is not None:
+            assert snapshot_diff(before, snapshot(self.cache, others)) == [], \
+                "a slot outside the batch was modified"
+        err = 0.0
+        for i, s in enumerate(slots):
+            if s < 0:
+                assert torch.equal(y[i], torch.zeros_like(y[i])), "pad outputs must be exactly zero"
+                continue
+            assert torch.isfinite(y[i]).all(), f"non-finite output for slot {s}"
+            yref, st = self.layer.reference(self.ref[s], take(tok, i))
+            e = (y[i:i + 1].double() - yref).abs()
+            err = max(err, e.max().item())
+            self.max_ref = max(self.max_ref, yref.abs().max().item())
+            self.max_rel = max(self.max_rel, (e / yref.abs().clamp(min=1.0)).max().item())
+            if self.h[s] + T > self.cache.window:  # the refresh rule
+                self.h[s] = 0
+                self.refreshes[s] += 1
+            if not verify:
+                self.ref[s] = st
+                self.h[s] += 1
+                self.tokens[s] += 1
+        if verify:
+            self.pending = (list(slots), tok)
+        self.max_err = max(self.max_err, err)
+        return y, err
+
+    def decode(self, slots):
+        return self.step(slots)
+
+    def verify(self, slots, T):
+        return self.step(slots, T)
+
+    def accept(self, counts):
+        """Accept ``counts[i]`` drafts for row i of the pending verify (pads: any value)."""
+        slots, tok = self.pending
+        self.cache.accept(self.t(slots), torch.tensor(counts, dtype=torch.int64))
+        for i, s in enumerate(slots):
+            if s >= 0:
+                n = counts[i]
+                _, self.ref[s] = self.layer.reference(self.ref[s], take(tok, i, n))
+                self.h[s] += n
+                self.tokens[s] += n
+        self.pending = None
+
+    def expected_counters(self, slots):
+        return {"committed": [self.h[s] for s in slots], "pending": [0] * len(slots),
+                "refreshes": [self.refreshes[s] for s in slots], "tokens": [self.tokens[s] for s in slots]}
+
+    def check_counters(self, slots):
+        got = {k: v.tolist() for k, v in self.cache.counters(self.t(slots)).items()}
+        assert got == self.expected_counters(slots)
+
+    def state_error(self, slots):
+        """Max abs error of ``materialize`` against the float64 committed states."""
+        m = self.cache.materialize(self.t(slots))
+        assert torch.isfinite(m).all()
+        ref = torch.cat([self.ref[s] for s in slots])
+        return (m.double() - ref).abs().max().item()
+
+
+# ------------------------------------------------------------------------------------------------
+# Scenarios shared by the per-architecture test files
+# ------------------------------------------------------------------------------------------------
+#: Buffer field whose perturbation changes the very next output (teeth checks).
+PERTURB_FIELD = {"mamba2": "x", "gdn": "k"}
+
+
+def decode_accuracy(arch, steps=48, window=16, precision="s32_rs", seed=0):
+    """Decode ``steps`` tokens on 3 of 4 slots (plus a pad) and check every output, every
+    committed state and every counter against the float64 recurrence and the refresh rule.
+    Returns (tracker, max output error, max state error)."""
+    layer = make_layer(arch, seed)
+    cache = layer.cache(4, window=window, precision=precision)
+    tr = Tracker(layer, cache, seed=seed + 1)
+    tr.load([2, 0, 3, 1])
+    batch = [2, -1, 0, 3]
+    real = [2, 0, 3]
+    state_err = 0.0
+    for _ in range(steps):
+        tr.decode(batch)
+        tr.check_counters(real + [1])
+        state_err = max(state_err, tr.state_error(real))
+    return tr, tr.max_err, state_err
+
+
+def broken_refresh(cache, skip_calls=(0,)):
+    """A refresh that, on the listed calls, drops the committed history instead of folding it
+    (moves the pointer and counts, but writes no checkpoint)."""
+    orig = cache.refresh
+    calls = [0]
+
+    def refresh(rows, need):
+        i = calls[0]
+        calls[0] += 1
+        if i in skip_calls:
+            cache.committed[rows] = torch.where(need, 0, cache.committed[rows])
+            cache.refreshes[rows] += need.long()
+            return
+        orig(rows, need)
+    return refresh
+
+
+def check_decode_accuracy(arch, record_property):
+    """Requirement 1: >= 48 s32_rs decode steps (2 refreshes at window 16) vs the reference."""
+    tr, err, state_err = decode_accuracy(arch, steps=48, window=16)
+    print(f"\n{arch} s32_rs decode: max abs output error {err:.3e}, state error {state_err:.3e} "
+          f"(max |y_ref| {tr.max_ref:.2f})")
+    record_property("max_abs_err", err)
+    record_property("max_state_err", state_err)
+    record(f"{arch} s32_rs decode out", err)
+    record(f"{arch} s32_rs decode state", state_err)
+    assert tr.refreshes[0] == 2 and tr.h[0] == 16  # refreshes before tokens 17 and 33
+    assert err <= S32_TOL
+    assert state_err <= S32_TOL
+
+
+def check_perturbed_buffer_detected(arch):
+    """Teeth: one perturbed committed buffer value pushes the next output past the tolerance."""
+    layer = make_layer(arch)
+    cache = layer.cache(2, window=16)
+    tr = Tracker(layer, cache)
+    tr.load([0, 1])
+    for _ in range(5):
+        tr.decode([0, 1])
+    assert tr.max_err <= S32_TOL
+    cache.buffer[PERTURB_FIELD[arch]][1, 2].view(-1)[0] += 0.05
+    _, err = tr.decode([0, 1])
+    assert err > 10 * S32_TOL
+
+
+def check_skipped_refresh_detected(arch, monkeypatch):
+    """Teeth: a refresh that drops its window instead of folding it breaks outputs and state."""
+    layer = make_layer(arch)
+    cache = layer.cache(2, window=8)
+    monkeypatch.setattr(cache, "refresh", broken_refresh(cache))
+    tr = Tracker(layer, cache)
+    tr.load([0, 1])
+    errs = [tr.decode([0, 1])[1] for _ in range(10)]
+    assert max(errs[:8]) <= S32_TOL  # the window is not yet full
+    assert errs[8] > 1e-3  # the first window's history is lost
+    assert tr.state_error([0, 1]) > 1e-3

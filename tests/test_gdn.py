@@ -1,0 +1,53 @@
+"""Gated DeltaNet: s32_rs replay decode against the float64 conventional recurrence."""
+import pytest
+import torch
+
+import replayssm as rs
+from helpers import (S32_TOL, Tracker, check_decode_accuracy, check_perturbed_buffer_detected,
+                     check_skipped_refresh_detected, make_layer)
+
+ARCH = "gdn"
+
+
+def test_s32_decode_matches_reference_over_refreshes(record_property):
+    check_decode_accuracy(ARCH, record_property)
+
+
+def test_perturbed_buffer_entry_is_detected():
+    check_perturbed_buffer_detected(ARCH)
+
+
+def test_skipped_refresh_is_detected(monkeypatch):
+    check_skipped_refresh_detected(ARCH, monkeypatch)
+
+
+@pytest.mark.parametrize("num_k_heads,num_v_heads", [(1, 4), (2, 2)])
+def test_gqa_ratios(num_k_heads, num_v_heads):
+    """Value head h reads key head h // (HV / HK)."""
+    layer = make_layer(ARCH, num_k_heads=num_k_heads, num_v_heads=num_v_heads)
+    tr = Tracker(layer, layer.cache(3, window=4))
+    tr.load([0, 2])
+    for _ in range(6):
+        tr.decode([0, 2])
+    tr.check_counters([0, 2])
+    assert tr.max_err <= S32_TOL
+    assert tr.state_error([0, 2]) <= S32_TOL
+
+
+def test_explicit_scale_without_l2norm():
+    """q, k passed already unit-norm with an explicit scale (no in-kernel normalization)."""
+    layer = make_layer(ARCH)
+    cache = layer.cache(1, window=4)
+    g = torch.Generator().manual_seed(5)
+    S = torch.randn(1, *layer.state_shape, generator=g)
+    cache.load_state(torch.tensor([0]), S)
+    ref = S.double()
+    err = 0.0
+    for _ in range(6):
+        tok = {k: v[:, 0] for k, v in layer.tokens(g, 1, 1).items()}
+        tok["q"] = torch.nn.functional.normalize(tok["q"], dim=-1)
+        tok["k"] = torch.nn.functional.normalize(tok["k"], dim=-1)
+        o = rs.gdn_decode(cache, torch.tensor([0]), **tok, scale=0.5)
+        oref, ref = rs.gdn_reference_step(ref, **tok, scale=0.5)
+        err = max(err, (o.double() - oref).abs().max().item())
+    assert err <= S32_TOL
