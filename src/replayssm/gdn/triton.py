@@ -18,6 +18,7 @@ import triton.language as tl
 
 from .._triton import launch
 from .._triton.decay import segment_to
+from .._triton.window import slot_cursor, window_rows, window_scalars
 from .._triton.formats import load_query, load_read, load_tile, matvec, store_tile
 
 
@@ -28,17 +29,11 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, bk_ptr, k_ptr, q_ptr, scores_pt
     """scores[b, kh, 0, s, j] = k_j . q_s and scores[b, kh, 1, s, j] = k_j . k_s over the entries
     of the window (committed + new), once per (batch row, key head)."""
     pid_b, khead = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(slots_ptr + pid_b)
-    row = tl.where(slot >= 0, slot, SCRATCH).to(tl.int64)
-    h = tl.where(slot >= 0, tl.load(committed_ptr + row), 0)
-    h = tl.where(h + T > L, 0, h)  # a refreshing slot sees only its new tokens
+    _, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
+    h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
     j = tl.arange(0, LP)
     ck = tl.arange(0, DK)
-    old = j < h
-    new = (j >= h) & (j < h + T)
-    K = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :], mask=old[:, None], other=0.0)
-    K = K.to(tl.float32) + tl.load(k_ptr + (((pid_b * T + j - h)[:, None]) * HK + khead) * DK + ck[None, :],
-                                   mask=new[:, None], other=0.0).to(bk_ptr.dtype.element_ty).to(tl.float32)
+    K = window_rows(bk_ptr, k_ptr, row, pid_b, h, khead, HK, ck, DK, T, L, LP)
     for s in tl.static_range(T):
         tok = pid_b * T + s
         q = tl.load(q_ptr + (tok * HK + khead) * DK + ck).to(tl.float32)
@@ -60,11 +55,7 @@ def _gdn_step_kernel(
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr):
     pid_b, head, pid_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    slot = tl.load(slots_ptr + pid_b)
-    valid = slot >= 0
-    row = tl.where(valid, slot, SCRATCH).to(tl.int64)
-    h = tl.where(valid, tl.load(committed_ptr + row), 0)
-    need = valid & (h + T > L)
+    valid, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
     khead = head // (HV // HK)
     mat = row * HV + head
     gidx = mat * (DV // BV) + pid_v  # NVFP4 global-scale block of these rows
@@ -95,10 +86,7 @@ def _gdn_step_kernel(
     h = tl.where(need, 0, h)
 
     old = j < h
-    new = (j >= h) & (j < h + T)
-    inp = pid_b * T + (j - h)
-    g = tl.load(bg_ptr + buf_tok * HV + head, mask=old, other=0.0) + \
-        tl.load(g_ptr + inp * HV + head, mask=new, other=0.0)
+    g = window_scalars(bg_ptr, g_ptr, row, pid_b, h, head, HV, T, L, LP)
     U = tl.load(bu_ptr + (buf_tok[None, :] * HV + head) * DV + rv[:, None], mask=old[None, :], other=0.0)
     for s in tl.static_range(T):
         t = h + s

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from .._triton import launch
 from .._triton.decay import segment_to, suffix_sums
+from .._triton.window import slot_cursor, window_rows, window_scalars
 from .._triton.formats import load_query, load_read, load_tile, matvec, store_tile
 
 
@@ -31,17 +32,11 @@ def _mamba2_scores_kernel(slots_ptr, committed_ptr, bB_ptr, B_ptr, C_ptr, scores
     """scores[b, g, s, j] = B_j . C_s over the entries a query sees (committed + new), once per
     (batch row, group), so the per-row programs of the step kernel never load the B tile."""
     pid_b, group = tl.program_id(0), tl.program_id(1)
-    slot = tl.load(slots_ptr + pid_b)
-    row = tl.where(slot >= 0, slot, SCRATCH).to(tl.int64)
-    h = tl.where(slot >= 0, tl.load(committed_ptr + row), 0)
-    h = tl.where(h + T > L, 0, h)  # a refreshing slot sees only its new tokens
+    _, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
+    h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
     j = tl.arange(0, LP)
     ck = tl.arange(0, DK)
-    old = j < h
-    new = (j >= h) & (j < h + T)
-    K = tl.load(bB_ptr + ((row * L + j[:, None]) * G + group) * DK + ck[None, :], mask=old[:, None], other=0.0)
-    K = K.to(tl.float32) + tl.load(B_ptr + (((pid_b * T + j - h)[:, None]) * G + group) * DK + ck[None, :],
-                                   mask=new[:, None], other=0.0).to(bB_ptr.dtype.element_ty).to(tl.float32)
+    K = window_rows(bB_ptr, B_ptr, row, pid_b, h, group, G, ck, DK, T, L, LP)
     for s in tl.static_range(T):
         q = tl.load(C_ptr + ((pid_b * T + s) * G + group) * DK + ck).to(tl.float32)
         tl.store(scores_ptr + ((pid_b * G + group) * T + s) * LP + j, tl.sum(K * q[None, :], 1))
@@ -59,11 +54,7 @@ def _mamba2_step_kernel(
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr):
     pid_b, head, pid_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    slot = tl.load(slots_ptr + pid_b)
-    valid = slot >= 0
-    row = tl.where(valid, slot, SCRATCH).to(tl.int64)
-    h = tl.where(valid, tl.load(committed_ptr + row), 0)
-    need = valid & (h + T > L)
+    valid, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
     group = head // (H // G)
     mat = row * H + head
     gidx = mat * (DV // BV) + pid_v  # NVFP4 global-scale block of these rows
@@ -94,19 +85,11 @@ def _mamba2_step_kernel(
     ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
     h = tl.where(need, 0, h)
 
-    # entries: committed ones from the buffer, the T new ones from the inputs (rounded to the
-    # buffer dtype, exactly as a later replay will read them)
-    old = j < h
+    # the window's entries: committed ones from the buffer, the T new ones from the inputs
     new = (j >= h) & (j < h + T)
-    inp = pid_b * T + (j - h)  # [LP] input token index of new entries
-    la = tl.load(bla_ptr + buf_tok * H + head, mask=old, other=0.0) + \
-        tl.load(la_ptr + inp * H + head, mask=new, other=0.0)
-    dt = tl.load(bdt_ptr + buf_tok * H + head, mask=old, other=0.0) + \
-        tl.load(dt_ptr + inp * H + head, mask=new, other=0.0)
-    x_new = tl.load(x_ptr + (inp[:, None] * H + head) * DV + rv[None, :], mask=new[:, None], other=0.0)
-    x_new = x_new.to(bx_ptr.dtype.element_ty)
-    X = tl.load(bx_ptr + (buf_tok[:, None] * H + head) * DV + rv[None, :], mask=old[:, None], other=0.0)
-    X = X.to(tl.float32) + x_new.to(tl.float32)  # [LP, BV]
+    la = window_scalars(bla_ptr, la_ptr, row, pid_b, h, head, H, T, L, LP)
+    dt = window_scalars(bdt_ptr, dt_ptr, row, pid_b, h, head, H, T, L, LP)
+    X = window_rows(bx_ptr, x_ptr, row, pid_b, h, head, H, rv, DV, T, L, LP)  # [LP, BV]
     for s in tl.static_range(T):  # y_s = gamma_t S_read q + sum_j gamma_{j+1:t} dt_j (k_j . q) x_j
         t = h + s
         q_tok = pid_b * T + s
@@ -125,8 +108,9 @@ def _mamba2_step_kernel(
                 zq = tl.load(z_ptr + out).to(tl.float32)
                 y *= zq * tl.sigmoid(zq)
         tl.store(y_ptr + out, tl.where(valid, y, 0.0))
-    # the new tokens' x rows: only this program reads them
-    tl.store(bx_ptr + (buf_tok[:, None] * H + head) * DV + rv[None, :], x_new, mask=new[:, None])
+    # the new tokens' x rows (rounded to the buffer dtype): only this program reads them
+    tl.store(bx_ptr + (buf_tok[:, None] * H + head) * DV + rv[None, :], X.to(bx_ptr.dtype.element_ty),
+             mask=new[:, None])
 
 
 def step(cache, slots, x, dt, log_alpha, B, C, D, z, commit: bool):

@@ -1,0 +1,44 @@
+"""A slot's window inside kernels: its cursor, and the per-token entries a step reads.
+
+Entry j of the window is committed (j < h, read from the replay buffer) or one of the T new
+tokens (h <= j < h + T, read from the call's inputs and rounded to the buffer dtype exactly as a
+later replay will read them back); other positions are zero. A refreshing slot has h = 0 here.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T: tl.constexpr, L: tl.constexpr):
+    """(valid, storage row, committed count h, refresh due) of batch row ``pid_b``; a pad (-1)
+    maps to the scratch row with h = 0 and never refreshes."""
+    slot = tl.load(slots_ptr + pid_b)
+    valid = slot >= 0
+    row = tl.where(valid, slot, SCRATCH).to(tl.int64)
+    h = tl.where(valid, tl.load(committed_ptr + row), 0)
+    return valid, row, h, valid & (h + T > L)
+
+
+@triton.jit
+def window_rows(buf_ptr, in_ptr, row, pid_b, h, head, NH, cols, WIDTH: tl.constexpr,
+                T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr):
+    """[LP, len(cols)] fp32 window of a per-token vector field: buffer [rows, L, NH, WIDTH],
+    inputs [b, T, NH, WIDTH], columns ``cols`` of head ``head``."""
+    j = tl.arange(0, LP)
+    old = j < h
+    new = (j >= h) & (j < h + T)
+    a = tl.load(buf_ptr + ((row * L + j[:, None]) * NH + head) * WIDTH + cols[None, :],
+                mask=old[:, None], other=0.0)
+    b = tl.load(in_ptr + ((pid_b * T + j - h)[:, None] * NH + head) * WIDTH + cols[None, :],
+                mask=new[:, None], other=0.0)
+    return a.to(tl.float32) + b.to(buf_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def window_scalars(buf_ptr, in_ptr, row, pid_b, h, head, NH, T: tl.constexpr, L: tl.constexpr,
+                   LP: tl.constexpr):
+    """[LP] fp32 window of a per-token, per-head scalar field (buffer [rows, L, NH], inputs [b, T, NH])."""
+    j = tl.arange(0, LP)
+    a = tl.load(buf_ptr + (row * L + j) * NH + head, mask=j < h, other=0.0)
+    b = tl.load(in_ptr + (pid_b * T + j - h) * NH + head, mask=(j >= h) & (j < h + T), other=0.0)
+    return a.to(tl.float32) + b.to(tl.float32)
