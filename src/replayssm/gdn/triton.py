@@ -1,14 +1,20 @@
-"""Gated DeltaNet ReplaySSM Triton kernel: fused refresh + output-only decode/verify.
+"""Gated DeltaNet ReplaySSM Triton kernels: fused refresh + output-only decode/verify.
 
-One program per (batch row, value head, block of BV state rows); GDN's residual solve is
-separable over state rows, so a block of rows needs no other. At a refresh the residuals of
-the h committed entries are re-solved from the *anchor* (unit lower-triangular system of
-DESIGN §2, forward substitution in registers), folded into S = gamma_h S_anchor + U diag(w) K,
-and S is cast independently into anchor and read copy. Outputs then solve only the new tokens'
-residuals against the read copy, reuse the cached read-path residuals of committed entries, and
-form O = diag(gamma_t) (S_read Q^T) + U (W o K Q^T) — no per-token [V, K] state anywhere.
-Products are tf32x3 (fp32-accurate). The per-row buffer fields (v, u) are stored here; k, g and
-beta (shared by several programs) and the cursors by ``launch.advance``.
+A step is three launches, no host synchronization: ``_gdn_scores_kernel`` (k_j . q_s and
+k_j . k_s over the window, once per batch row and key head), ``_gdn_step_kernel`` (one program
+per batch row, value head and 32-row block; GDN's residuals are separable over state rows), and
+``launch.advance`` (shared buffer fields k, g, beta and the cursors).
+
+At a refresh the program re-solves the committed residuals from the *anchor* by running the
+conventional recurrence over the h buffered tokens in registers (S = alpha S; u = beta (v - S k);
+S += u k^T: forward substitution of DESIGN §2's triangular system), then casts S independently
+into anchor and read copy. Outputs solve only the new tokens' residuals against the read copy,
+reusing the cached read-path residuals of committed entries:
+
+    u_s = beta_s (v_s - gamma_t S_read k_s - sum_{j < t} gamma_{j+1:t} (k_j . k_s) u_j)
+    o_s = gamma_t S_read q_s + sum_{j <= t} gamma_{j+1:t} (k_j . q_s) u_j,   t = h + s
+
+— no per-token [V, K] state anywhere. The new tokens' v and u rows are stored here.
 """
 from __future__ import annotations
 

@@ -1,17 +1,18 @@
-"""Mamba-2 ReplaySSM Triton kernel: fused refresh + output-only decode/verify.
+"""Mamba-2 ReplaySSM Triton kernels: fused refresh + output-only decode/verify.
 
-One program per (batch row, head, block of BV state rows). If the slot's committed history plus
-the T new tokens overflows the window, the program first folds the committed entries into the
-anchor (S = gamma_h S_anchor + sum_j w_j x_j B_j^T, one rank-1 update per token) and writes the new anchor
-and read copy, cast independently from the unrounded S; the anchor is read nowhere else. Then
+A step is three launches, no host synchronization: ``_mamba2_scores_kernel`` (B_j . C_s for the
+window, once per batch row and group), ``_mamba2_step_kernel`` (one program per batch row, head
+and 32-row block of the state), and ``launch.advance`` (shared buffer fields and cursors).
 
-    y_s = gamma_t (S_read C_s) + sum_j gamma_{j+1:t} dt_j (B_j . C_s) x_j,   t = h + s
+If the slot's committed history plus the T new tokens overflows the window, the step program
+first folds the committed entries into the anchor (S = gamma_h S_anchor + sum_j w_j x_j B_j^T,
+one rank-1 update per token), casts S independently into anchor and read copy, and stores both;
+the anchor is read nowhere else. Then, from the read copy in its own format,
 
-over the committed entries plus the new tokens (DESIGN §2), as row reductions in fp32 (no tensor
-cores: the products are matrix-vector, and IEEE fp32 keeps parity with the float64 reference).
-Blocks of 16 rows keep the tile in registers and the grid wide, so the state streams at the
-memory roof. The new tokens' per-row buffer field (x) is stored here;
-the shared fields and the cursors are written by ``launch.advance`` right after.
+    y_s = gamma_t (S_read C_s) + sum_{j <= t} gamma_{j+1:t} dt_j (B_j . C_s) x_j,   t = h + s
+
+(DESIGN §2) as fp32 row reductions: the products are matrix-vector, so no tensor cores, and
+IEEE fp32 keeps parity with the float64 reference. The new tokens' x rows are stored here.
 """
 from __future__ import annotations
 
