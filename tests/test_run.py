@@ -105,7 +105,7 @@ def _expect_failure(tmp_path, capsys, check, *extra, arch="all"):
     name = f"({check}) {run.CHECK_NAMES[check]}"
     assert code == 1, out
     assert name in rep["failed_checks"], rep["failed_checks"]
-    assert f"FAIL: " in out and name in out.splitlines()[-2 if "report written" in out else -1]
+    assert "FAIL: " in out and name in out.splitlines()[-2 if "report written" in out else -1]
     return rep
 
 

@@ -13,7 +13,6 @@ which other programs of launch 1 are still folding.
 """
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 

@@ -7,40 +7,16 @@ pool whose state is several times the L2 cache, so no step reads state left in c
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 
 import replayssm as rs
 from replayssm.gdn.ops import l2norm
 
+from . import GEOMETRIES, Problem  # noqa: F401  (re-exported)
 from .conventional import gdn_conventional, mamba2_conventional
 
-GEOMETRIES = {
-    # name: (arch, dims)   mamba2 dims = (H, P, N, G); gdn dims = (HK, HV, K, V)
-    "nemotron3-super": ("mamba2", (128, 64, 128, 8)),
-    "nemotron3-nano": ("mamba2", (64, 64, 128, 8)),
-    "mamba2-2.7b": ("mamba2", (80, 64, 128, 1)),
-    "qwen35-122b": ("gdn", (16, 64, 128, 128)),
-    "qwen3-next": ("gdn", (16, 32, 128, 128)),
-}
 L2_BYTES = 60 * 2**20
-
-
-@dataclass
-class Problem:
-    arch: str
-    dims: tuple
-    batch: int
-    T: int  # tokens per step (1 = decode)
-
-    @property
-    def state_elems(self) -> int:
-        if self.arch == "mamba2":
-            H, P, N, _ = self.dims
-            return H * P * N
-        _, HV, K, V = self.dims
-        return HV * V * K
 
 
 def make_inputs(p: Problem, device, gen, dtype=torch.bfloat16):
@@ -78,17 +54,25 @@ def make_cache(p: Problem, num_slots, precision, window, max_draft, device, buff
     return c
 
 
-def replay_call(p: Problem, cache, slots, inp, prm, verify: bool):
+def replay_call(p: Problem, cache, slots, inp, prm, verify: bool, backend=None):
     """One ReplaySSM decode (T = 1) or verify call."""
+    sq = (lambda t: t) if verify else (lambda t: t[:, 0])
     if p.arch == "mamba2":
-        sq = (lambda t: t[:, 0]) if not verify else (lambda t: t)
         fn = rs.mamba2_verify if verify else rs.mamba2_decode
         return fn(cache, slots, sq(inp["x"]), sq(inp["dt"]), prm["A"], sq(inp["B"]), sq(inp["C"]),
-                  prm["D"], sq(inp["z"]), prm["dt_bias"], True)
-    sq = (lambda t: t[:, 0]) if not verify else (lambda t: t)
+                  prm["D"], sq(inp["z"]), prm["dt_bias"], True, backend=backend)
     fn = rs.gdn_verify if verify else rs.gdn_decode
     return fn(cache, slots, sq(inp["q"]), sq(inp["k"]), sq(inp["v"]), sq(inp["g"]), sq(inp["beta"]),
-              use_qk_l2norm=True)
+              use_qk_l2norm=True, backend=backend)
+
+
+def state_shape(p: Problem) -> tuple:
+    """Per-sequence state shape: Mamba-2 [H, P, N], GDN [HV, V, K]."""
+    if p.arch == "mamba2":
+        H, P, N, _ = p.dims
+        return (H, P, N)
+    _, HV, K, V = p.dims
+    return (HV, V, K)
 
 
 def conventional_call(p: Problem, state, slots, inp, prm, inter=None):
@@ -129,6 +113,25 @@ def time_graph(step_fns, reps: int = 20) -> tuple[float, float]:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(step_fns))
+    t = torch.tensor(times)
+    q = torch.quantile(t, torch.tensor([0.25, 0.5, 0.75]))
+    return float(q[1]), float(q[2] - q[0]) / 2
+
+
+def time_eager(step_fns, reps: int = 20) -> tuple[float, float]:
+    """Like ``time_graph`` but launching eagerly (``--no-graphs``): includes launch overhead."""
+    for fn in step_fns:
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for fn in step_fns:
+            fn()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3 / len(step_fns))

@@ -46,7 +46,7 @@ def outputs(state, buf, h, C, D=None, z=None, x_new=None):
     h int64 [b]; C [b, T, G, N]; D [H]; z [b, T, H, P]; x_new [b, T, H, P] (for the D skip).
     Returns y fp32 [b, T, H, P].
     """
-    H, L, T = state.shape[1], buf["x"].shape[1], C.shape[1]
+    H, T = state.shape[1], C.shape[1]
     c = buf["log_alpha"].cumsum(1)  # [b, L, H]
     t = h[:, None] + torch.arange(T, device=h.device)  # [b, T] query positions
     c_t = torch.gather(c, 1, t[:, :, None].expand(-1, -1, H))  # [b, T, H]

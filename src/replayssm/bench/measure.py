@@ -1,0 +1,164 @@
+"""Measurements behind ``replayssm bench`` and ``benchmarks/h200.py``: a correctness check against
+the float64 recurrence at a given shape, a CUDA-graph replay check, and one timed configuration."""
+from __future__ import annotations
+
+import torch
+
+import replayssm as rs
+
+from . import suite
+from .suite import Problem
+
+#: Output tolerance of the correctness gate, relative to ||reference|| (bf16 inputs and buffers).
+GATE_TOLERANCE = {"fp32": 1e-4, "fp16": 2e-3, "bf16": 1.5e-2, "fp8_e4m3": 0.05, "nvfp4": 0.25}
+
+
+def gate_tolerance(preset) -> float:
+    """The correctness gate's bound on the relative output error of ``preset``."""
+    p = rs.get_precision(preset)
+    return max(GATE_TOLERANCE[p.read_format.name], GATE_TOLERANCE[p.anchor.name])
+
+
+def reference_step(p: Problem, state, inp, prm, t):
+    """The float64 conventional step on token ``t`` of ``inp`` (the same inputs ReplaySSM gets)."""
+    g = lambda k: inp[k][:, t]  # noqa: E731
+    if p.arch == "mamba2":
+        return rs.mamba2_reference_step(state, g("x"), g("dt"), prm["A"], g("B"), g("C"), prm["D"], g("z"),
+                                        prm["dt_bias"], True)
+    return rs.gdn_reference_step(state, g("q"), g("k"), g("v"), g("g"), g("beta"), use_qk_l2norm=True)
+
+
+def correctness(p0: Problem, preset, device="cuda", backend=None, steps=20, rounds=6, T=4, window=16,
+                seed=0, call=None):
+    """Decode ``steps`` tokens, then ``rounds`` verify/accept rounds (random accept counts), with pad
+    slots and staggered positions; compare every output and the final committed state with the
+    float64 recurrence. ``call`` replaces ``suite.replay_call`` (tests use it to plant a broken
+    kernel). Returns (max abs err, relative err of outputs, max state err)."""
+    call = call or suite.replay_call
+    gen = torch.Generator(device=device).manual_seed(seed)
+    b = p0.batch
+    cache = suite.make_cache(p0, b + 8, preset, window, T, device, buffer_dtype=torch.bfloat16)
+    slots = torch.randperm(b + 8, device=device, generator=gen)[:b]
+    slots[::37] = -1  # pads
+    valid = slots >= 0
+    state = torch.randn(b, *cache.state_shape, device=device, generator=gen) * 0.1
+    cache.load_state(slots, state)
+    ref = state.double()
+    prm = suite.make_params(p0, device, gen)
+    err = rel_num = rel_den = 0.0
+
+    def acc(y, yr, rows):
+        nonlocal err, rel_num, rel_den
+        d = (y.double() - yr)[rows]
+        err = max(err, d.abs().max().item())
+        rel_num += d.pow(2).sum().item()
+        rel_den += yr[rows].pow(2).sum().item()
+        if not torch.all(y[~rows] == 0):
+            raise AssertionError("pad outputs must be zero")
+
+    for s in range(steps):  # staggered: batch row i starts decoding at step i % 5
+        p = Problem(p0.arch, p0.dims, b, 1)
+        inp = suite.make_inputs(p, device, gen)
+        active = valid & (torch.arange(b, device=device) % 5 <= s)
+        y = call(p, cache, torch.where(active, slots, -1), inp, prm, False, backend)
+        yr, new = reference_step(p, ref, inp, prm, 0)
+        ref = torch.where(active.view(-1, 1, 1, 1), new, ref)
+        acc(y, yr, active)
+    for _ in range(rounds):
+        p = Problem(p0.arch, p0.dims, b, T)
+        inp = suite.make_inputs(p, device, gen)
+        y = call(p, cache, slots, inp, prm, True, backend)
+        st, snaps, outs = ref, [ref], []
+        for t in range(T):
+            yr, st = reference_step(p, st, inp, prm, t)
+            snaps.append(st)
+            outs.append(yr)
+        acc(y, torch.stack(outs, 1), valid)
+        n = torch.randint(0, T + 1, (b,), device=device, generator=gen)
+        cache.accept(slots, n)
+        ref = torch.stack(snaps, 0)[n, torch.arange(b, device=device)]
+    serr = (cache.materialize(slots).double() - ref)[valid].abs().max().item()
+    return err, (rel_num / max(rel_den, 1e-300)) ** 0.5, serr
+
+
+def graph_check(p0: Problem, preset="s32_rs", steps=48, device="cuda"):
+    """``steps`` decode steps captured in one CUDA graph reproduce eager execution bit for bit."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    b = p0.batch
+    p = Problem(p0.arch, p0.dims, b, 1)
+    caches = [suite.make_cache(p, b, preset, 16, 4, device) for _ in range(2)]
+    slots = torch.arange(b, device=device)
+    state = torch.randn(b, *caches[0].state_shape, device=device, generator=gen) * 0.1
+    for c in caches:
+        c.load_state(slots, state)
+        c.check_values = False
+    prm = suite.make_params(p, device, gen)
+    inputs = [suite.make_inputs(p, device, gen) for _ in range(steps)]
+    eager = [suite.replay_call(p, caches[0], slots, i, prm, False).clone() for i in inputs]
+    g = torch.cuda.CUDAGraph()
+    outs = []
+    with torch.cuda.graph(g):
+        for i in inputs:
+            outs.append(suite.replay_call(p, caches[1], slots, i, prm, False))
+    g.replay()
+    torch.cuda.synchronize()
+    same = all(torch.equal(a, o) for a, o in zip(eager, outs))
+    return same and torch.equal(caches[0].materialize(slots), caches[1].materialize(slots))
+
+
+def bench_one(p: Problem, preset, mode="staggered", baseline="ours", window=16, accept="all",
+              device="cuda"):
+    """Median us per step (per round of T drafts when p.T > 1) and the traffic model.
+
+    preset None times a baseline ('ours' = the conventional kernel, 'mamba_ssm', 'fla').
+    mode: 'staggered' (slot i at window position i mod L), 'aligned' (all slots refresh in the
+    same step) or 'refresh' (every replay refreshes every slot). accept: 'all' | 'half' | 'none'
+    drafts accepted per round. Returns ((median, spread), traffic dict or None).
+    """
+    gen = torch.Generator(device=device).manual_seed(2)
+    T, b = p.T, p.batch
+    R = suite.pool_groups(p)
+    pool = R * b
+    prm = suite.make_params(p, device, gen)
+    rounds = max(1, window // T)  # one whole window per group
+    inputs = [suite.make_inputs(p, device, gen) for _ in range(min(rounds, 4))]
+    groups = [torch.arange(g * b, (g + 1) * b, device=device) for g in range(R)]
+    if preset is None:
+        state = torch.randn(pool, *suite.state_shape(p), device=device, generator=gen) * 0.1
+        inter = torch.empty(pool, T, *suite.state_shape(p), device=device) if T > 1 else None
+        if baseline == "mamba_ssm":
+            call = lambda g, i: suite.mamba_ssm_call(p, state, groups[g], inputs[i % len(inputs)], prm)  # noqa: E731
+        elif baseline == "fla":
+            call = lambda g, i: suite.fla_call(p, state, g * b, inputs[i % len(inputs)], prm)  # noqa: E731
+        else:
+            call = lambda g, i: suite.conventional_call(p, state, groups[g], inputs[i % len(inputs)], prm, inter)  # noqa: E731
+        return suite.time_graph([lambda g=g, i=i: call(g, i) for g in range(R) for i in range(rounds)]), None
+    cache = suite.make_cache(p, pool, preset, window, max(T, 4), device)
+    allslots = torch.arange(pool, device=device)
+    cache.load_state(allslots, torch.randn(pool, *cache.state_shape, device=device, generator=gen) * 0.1)
+    if mode == "staggered":
+        p1 = Problem(p.arch, p.dims, pool, 1)
+        inp1 = suite.make_inputs(p1, device, gen)
+        for k in range(window - 1):
+            suite.replay_call(p1, cache, torch.where(allslots % window > k, allslots, -1), inp1, prm, False)
+    cache.check_values = False
+    n_acc = {"all": T, "half": T // 2, "none": 0}[accept]
+    accepted = torch.full((b,), n_acc, device=device, dtype=torch.int64)
+
+    def step(g, i):
+        if T == 1:
+            suite.replay_call(p, cache, groups[g], inputs[i % len(inputs)], prm, False)
+        else:
+            suite.replay_call(p, cache, groups[g], inputs[i % len(inputs)], prm, True)
+            cache.accept(groups[g], accepted)
+
+    if mode == "refresh":
+        def refresh_step(g):
+            cache.committed.index_fill_(0, groups[g], window - T + 1)  # every replay refreshes
+            step(g, 0)
+        fns = [lambda g=g: refresh_step(g) for g in range(R)]
+        f = 1.0
+    else:
+        fns = [lambda g=g, i=i: step(g, i) for g in range(R) for i in range(rounds)]
+        f = 0.0 if n_acc == 0 and T > 1 else max(n_acc, 1) / window
+    return suite.time_graph(fns), suite.traffic(p, cache, window, min(f, 1.0))

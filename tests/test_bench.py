@@ -1,0 +1,73 @@
+"""`replayssm bench` on the CPU: argument handling, the no-GPU path, the traffic and memory
+arithmetic, and the correctness gate (which must refuse a broken kernel)."""
+import pytest
+import torch
+
+from replayssm.bench import GEOMETRIES, Problem
+from replayssm.bench import cli as bench
+
+
+def test_without_gpu_it_says_so_and_exits_nonzero(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    from replayssm.cli import main
+
+    assert main(["bench"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_geometry_names_and_tuples():
+    assert bench.parse_geometry("qwen35-122b", "all") == GEOMETRIES["qwen35-122b"]
+    assert bench.parse_geometry("8,64,128,1", "mamba2") == ("mamba2", (8, 64, 128, 1))
+    for bad, arch in (("8,64,128", "mamba2"), ("8,64,128,1", "all"), ("nemotron3-super", "gdn"), ("x", "gdn")):
+        with pytest.raises(ValueError, match="geometry"):
+            bench.parse_geometry(bad, arch)
+
+
+def test_traffic_model_against_the_formats():
+    """Bytes per step from the format sizes: a shared fp32 checkpoint reads |S| per step and
+    reads + writes it once per window; an fp8 read copy reads 1 + 4/32 bytes per element."""
+    from replayssm.bench import suite
+
+    arch, dims = GEOMETRIES["nemotron3-nano"]
+    p = Problem(arch, dims, 4, 1)
+    n = p.batch * p.state_elems
+    L = 16
+    for preset, read_bytes, write_read in (("s32_rs", 4.0, 0.0), ("tp8_hi32", 1.125, 1.125)):
+        cache = suite.make_cache(p, 1, preset, L, 4, "meta")
+        tr = suite.traffic(p, cache, L, 1.0 / L)
+        buffer = p.batch * cache.bytes_per_slot()["buffer"] / L * ((L - 1) / 2 + 1)
+        state = n * ((L - 1) / L * read_bytes + (4.0 + 4.0 + write_read) / L)
+        assert tr["replay"] == pytest.approx(state + buffer)
+        assert tr["conventional"] == n * 8
+    # the traffic bound on the speed-up of shared fp32 decode: 2 / (1 + 1/L) = 1.88 for L = 16
+    cache = suite.make_cache(p, 1, "s32_rs", L, 4, "meta")
+    tr = suite.traffic(p, cache, L, 1.0 / L)
+    assert 1.7 < tr["conventional"] / tr["replay"] < 2 * L / (L + 1)
+
+
+def test_memory_report_per_sequence():
+    arch, dims = GEOMETRIES["qwen35-122b"]
+    rows = {r["preset"]: r for r in bench.memory_report(arch, dims, ["s32_rs", "tp8_hi32", "f4_sr_rs"], 16, 4)}
+    elems = Problem(arch, dims, 1, 1).state_elems
+    assert rows["s32_rs"]["anchor"] == elems * 4 and rows["s32_rs"]["read_copy"] == 0
+    assert rows["tp8_hi32"]["read_copy"] == elems * 1.125
+    assert rows["f4_sr_rs"]["anchor"] < elems * 0.6  # half a byte per element plus scales
+    assert rows["s32_rs"]["conventional_speculative"] == elems * 4 * 5
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
+def test_correctness_gate_passes_the_real_kernel_and_refuses_a_broken_one(arch):
+    from replayssm.bench import measure, suite
+
+    dims = (4, 16, 32, 2) if arch == "mamba2" else (2, 4, 32, 16)
+    p = Problem(arch, dims, 6, 1)
+    _, rel, _ = measure.correctness(p, "s32_rs", "cpu", "torch", steps=18, rounds=2, T=2)
+    assert rel <= measure.gate_tolerance("s32_rs")
+
+    def broken(*args, **kw):  # a kernel that is 1% off
+        y = suite.replay_call(*args, **kw)
+        return torch.where(y != 0, y * 1.01, y)
+
+    _, rel_broken, _ = measure.correctness(p, "s32_rs", "cpu", "torch", steps=18, rounds=2, T=2, call=broken)
+    assert rel_broken > measure.gate_tolerance("s32_rs")
