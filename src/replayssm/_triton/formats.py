@@ -222,3 +222,16 @@ def matvec(va, vb, sc, qa, qb, FMT: tl.constexpr):
         return tl.sum(tl.sum(va * qa[None, :, :], 2) * sc, 1)
     else:
         return tl.sum((tl.sum(va * qa[None, :, :], 2) + tl.sum(vb * qb[None, :, :], 2)) * sc, 1)
+
+
+@triton.jit
+def write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
+                     seed, tokens, DV: tl.constexpr, DK: tl.constexpr, A_FMT: tl.constexpr,
+                     A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr):
+    """Cast the unrounded fp32 rows S independently into the anchor and (unless shared) the read
+    copy, with separate stochastic-rounding streams (2 * tokens and 2 * tokens + 1, as
+    ``ReplayCache.write_checkpoint``), then make the rows visible to the whole program."""
+    store_tile(S, av_ptr, as_ptr, ag_ptr, mat, gidx, head, rv, ck, seed, tokens * 2, DV, DK, A_FMT, A_SR)
+    if not SHARED:
+        store_tile(S, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck, seed, tokens * 2 + 1, DV, DK, R_FMT, R_SR)
+    tl.debug_barrier()  # the rows just written are read back by other threads of the program

@@ -107,36 +107,30 @@ def time_graph(step_fns, reps: int = 20) -> tuple[float, float]:
             fn()
     for _ in range(3):
         g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(step_fns))
-    t = torch.tensor(times)
-    q = torch.quantile(t, torch.tensor([0.25, 0.5, 0.75]))
-    return float(q[1]), float(q[2] - q[0]) / 2
+    return _median_per_call(g.replay, len(step_fns), reps)
 
 
 def time_eager(step_fns, reps: int = 20) -> tuple[float, float]:
     """Like ``time_graph`` but launching eagerly (``--no-graphs``): includes launch overhead."""
-    for fn in step_fns:
-        fn()
+    def run_all():
+        for fn in step_fns:
+            fn()
+    run_all()
+    return _median_per_call(run_all, len(step_fns), reps)
+
+
+def _median_per_call(run, calls: int, reps: int) -> tuple[float, float]:
+    """(median, IQR/2) in microseconds per call of ``reps`` timed runs of ``run`` (``calls`` calls each)."""
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        for fn in step_fns:
-            fn()
+        run()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(step_fns))
-    t = torch.tensor(times)
-    q = torch.quantile(t, torch.tensor([0.25, 0.5, 0.75]))
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    q = torch.quantile(torch.tensor(times), torch.tensor([0.25, 0.5, 0.75]))
     return float(q[1]), float(q[2] - q[0]) / 2
 
 

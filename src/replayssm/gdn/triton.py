@@ -25,7 +25,7 @@ import triton.language as tl
 from .._triton import launch
 from .._triton.decay import segment_to
 from .._triton.window import slot_cursor, window_rows, window_scalars
-from .._triton.formats import load_query, load_read, load_tile, matvec, store_tile
+from .._triton.formats import load_query, load_read, load_tile, matvec, write_checkpoint
 
 
 
@@ -80,13 +80,9 @@ def _gdn_step_kernel(
             S = S * tl.exp(tl.load(bg_ptr + tok_j * HV + head, mask=m, other=0.0))
             u = tl.load(bbeta_ptr + tok_j * HV + head, mask=m, other=0.0) * (vr - tl.sum(S * kr[None, :], 1))
             S += u[:, None] * kr[None, :]
-        tok = tl.load(tokens_ptr + row)
-        seed = tl.load(seeds_ptr + row)
-        store_tile(S, av_ptr, as_ptr, ag_ptr, mat, gidx, head, rv, ck, seed, tok * 2, DV, DK, A_FMT, A_SR)
-        if not SHARED:
-            store_tile(S, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck, seed, tok * 2 + 1,
-                       DV, DK, R_FMT, R_SR)
-        tl.debug_barrier()  # the rows just written are read back below by other threads
+        write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
+                         tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT, A_SR, R_FMT,
+                         R_SR, SHARED)
     # the read copy in its own layout (the anchor itself when shared)
     ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
     h = tl.where(need, 0, h)

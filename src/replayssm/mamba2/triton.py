@@ -23,7 +23,7 @@ import triton.language as tl
 from .._triton import launch
 from .._triton.decay import segment_to, suffix_sums
 from .._triton.window import slot_cursor, window_rows, window_scalars
-from .._triton.formats import load_query, load_read, load_tile, matvec, store_tile
+from .._triton.formats import load_query, load_read, load_tile, matvec, write_checkpoint
 
 
 
@@ -75,13 +75,9 @@ def _mamba2_step_kernel(
             xr = tl.load(bx_ptr + (tok_j * H + head) * DV + rv, mask=m & (rv < DV), other=0.0).to(tl.float32)
             kr = tl.load(bB_ptr + (tok_j * G + group) * DK + ck, mask=m & (ck < DK), other=0.0).to(tl.float32)
             S += (xr * w)[:, None] * kr[None, :]
-        tok = tl.load(tokens_ptr + row)
-        seed = tl.load(seeds_ptr + row)
-        store_tile(S, av_ptr, as_ptr, ag_ptr, mat, gidx, head, rv, ck, seed, tok * 2, DV, DK, A_FMT, A_SR)
-        if not SHARED:
-            store_tile(S, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck, seed, tok * 2 + 1,
-                       DV, DK, R_FMT, R_SR)
-        tl.debug_barrier()  # the rows just written are read back below by other threads
+        write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
+                         tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT, A_SR, R_FMT,
+                         R_SR, SHARED)
     # the read copy in its own layout (the anchor itself when shared)
     ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
     h = tl.where(need, 0, h)
