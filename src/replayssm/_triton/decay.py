@@ -3,25 +3,10 @@
 A decay between two positions is exp of the sum of the log decays between them. Summing each
 segment directly keeps its relative accuracy; the difference c_t - c_j of two fp32 prefix sums
 loses ~ulp(c) absolutely once the prefix sums are large (strong decays), a relative error of
-every decay factor. Windows are short (<= 32), so the masked [A, B, LP] sums are cheap.
+every decay factor. Windows are short (<= 32), so the masked [LP, LP] sums are cheap.
 """
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def segment_sums(la, lo, hi):
-    """[A, B] sums of la [LP] over lo_a < k <= hi_b (0 for empty segments)."""
-    k = tl.arange(0, la.shape[0])
-    inside = (k[None, None, :] > lo[:, None, None]) & (k[None, None, :] <= hi[None, :, None])
-    return tl.sum(tl.where(inside, la[None, None, :], 0.0), 2)
-
-
-@triton.jit
-def prefix_sums(la, hi):
-    """[B] sums of la [LP] over k <= hi_b."""
-    k = tl.arange(0, la.shape[0])
-    return tl.sum(tl.where(k[None, :] <= hi[:, None], la[None, :], 0.0), 1)
 
 
 @triton.jit
