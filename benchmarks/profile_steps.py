@@ -1,0 +1,47 @@
+"""Run a few eager steps of each kernel at batch 256 (staggered windows), for a profiler to capture.
+
+    ncu --clock-control none -k regex:"step_kernel|conv_kernel" \
+        python3 benchmarks/profile_steps.py mamba2:s32_rs gdn:conv ...
+
+Each argument is ``arch:preset`` (``conv`` = the conventional kernel). Nothing is timed here.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from replayssm.bench import suite
+from replayssm.bench.suite import Problem
+
+GEO = {"mamba2": "nemotron3-super", "gdn": "qwen35-122b"}
+
+
+def main(argv):
+    dev = "cuda"
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for spec in argv:
+        arch, preset = spec.split(":")
+        p = Problem(arch, suite.GEOMETRIES[GEO[arch]][1], 256, 1)
+        prm = suite.make_params(p, dev, gen)
+        inp = suite.make_inputs(p, dev, gen)
+        slots = torch.arange(p.batch, device=dev)
+        if preset == "conv":
+            state = torch.randn(p.batch, *suite.state_shape(p), device=dev, generator=gen) * 0.1
+            for _ in range(3):
+                suite.conventional_call(p, state, slots, inp, prm)
+        else:
+            cache = suite.make_cache(p, p.batch, preset, 16, 4, dev)
+            cache.load_state(slots, torch.randn(p.batch, *cache.state_shape, device=dev, generator=gen) * 0.1)
+            for buf in cache.buffer.values():  # staggered: slot i holds i mod 16 committed entries
+                buf.copy_(torch.randn(buf.shape, device=dev, generator=gen) * 0.1)
+            cache.committed.copy_(torch.arange(cache.committed.numel(), device=dev) % 16)
+            cache.check_values = False
+            for _ in range(3):
+                suite.replay_call(p, cache, slots, inp, prm, False)
+        torch.cuda.synchronize()
+        print("ran", spec, flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
