@@ -13,18 +13,23 @@ from replayssm._triton import formats as tf  # noqa: E402
 
 
 @triton.jit
-def _roundtrip_kernel(x_ptr, v_ptr, s_ptr, g_ptr, dec_ptr, load_ptr, seed_ptr, stream,
+def _roundtrip_kernel(x_ptr, v_ptr, s_ptr, g_ptr, dec_ptr, load_ptr, q_ptr, mv_ptr, seed_ptr, stream,
                       DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr, SR: tl.constexpr):
     mat = tl.program_id(0)
     rv = tl.arange(0, DV)
     ck = tl.arange(0, DK)
     S = tl.load(x_ptr + (mat * DV + rv[:, None]) * DK + ck[None, :])
     seed = tl.load(seed_ptr + mat)
-    dec = tf.store_tile(S, v_ptr, s_ptr, g_ptr, mat, mat, mat % 3, rv, ck, seed, stream, DV, DK, FMT, SR)
+    dec, pa, pb, psc = tf.store_tile(S, v_ptr, s_ptr, g_ptr, mat, mat, mat % 3, rv, ck, seed, stream, DV, DK,
+                                     FMT, SR)
     tl.store(dec_ptr + (mat * DV + rv[:, None]) * DK + ck[None, :], dec)
+    qa, qb = tf.load_query(q_ptr, DK, FMT)
+    tl.store(mv_ptr + (mat * 2) * DV + rv, tf.matvec(pa, pb, psc, qa, qb, FMT))  # from the returned parts
     tl.debug_barrier()
     back = tf.load_tile(v_ptr, s_ptr, g_ptr, mat, mat, rv, ck, DV, DK, FMT)
     tl.store(load_ptr + (mat * DV + rv[:, None]) * DK + ck[None, :], back)
+    ra, rb, rsc = tf.load_read(v_ptr, s_ptr, g_ptr, mat, mat, rv, DV, DK, FMT)
+    tl.store(mv_ptr + (mat * 2 + 1) * DV + rv, tf.matvec(ra, rb, rsc, qa, qb, FMT))  # from memory
 
 
 def _run(name, rounding, x, seeds, stream):
@@ -34,8 +39,12 @@ def _run(name, rounding, x, seeds, stream):
     dummy = torch.zeros(1)
     v, s, g = parts["values"], parts.get("scales", dummy), parts.get("global_scale", dummy)
     dec, back = torch.empty_like(x), torch.empty_like(x)
-    _roundtrip_kernel[(mats,)](x, v, s, g, dec, back, seeds, stream, DV, DK,
+    q = torch.randn(DK, generator=torch.Generator().manual_seed(3))
+    mv = torch.empty(mats, 2, DV)
+    _roundtrip_kernel[(mats,)](x, v, s, g, dec, back, q, mv, seeds, stream, DV, DK,
                                tf.FMT_IDS[name], rounding == "stochastic")
+    # a refreshing program multiplies the parts store_tile returns; others, what load_read reads
+    torch.testing.assert_close(mv[:, 0], mv[:, 1], rtol=0, atol=0, equal_nan=True)
     return parts, dec, back
 
 

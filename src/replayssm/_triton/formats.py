@@ -88,9 +88,12 @@ def load_tile(v_ptr, s_ptr, g_ptr, mat, gidx, rv, ck, DV: tl.constexpr, DK: tl.c
 @triton.jit
 def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
                DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr, SR: tl.constexpr):
-    """Encode fp32 tile S [BV, DK] (rows rv of matrix ``mat``) into format FMT, store it, and
-    return the decoded (rounded) tile. Stochastic rounding is keyed by (seed, stream, logical
-    element index). For NVFP4 the tile is one global-scale row block, stored at ``gidx``."""
+    """Encode fp32 tile S [BV, DK] (rows rv of matrix ``mat``) into format FMT and store it.
+    Returns (decoded tile [BV, DK] as ``load_tile`` reads it back, *parts*), parts being the
+    stored values in ``load_read``'s layout, bit for bit, so a refreshing program computes its
+    outputs from registers instead of re-reading what it wrote. Stochastic rounding is keyed by
+    (seed, stream, logical element index). For NVFP4 the tile is one global-scale row block,
+    stored at ``gidx``."""
     BV: tl.constexpr = S.shape[0]
     row = mat * DV + rv[:, None]
     r24 = tl.zeros((BV, DK), dtype=tl.int64)
@@ -99,7 +102,7 @@ def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
         r24 = (random_u32(seed, stream, offset) >> 8) & 0xFFFFFF
     if FMT == 0:
         tl.store(v_ptr + row * DK + ck[None, :], S)
-        return S
+        return S, S, S, 1.0
     elif FMT <= 2:
         if FMT == 1:
             MAXV: tl.constexpr = 65504.0
@@ -114,7 +117,8 @@ def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
         y = tl.where((S != S) | (tl.abs(S) == float("inf")), S, y)  # NaN and inf pass through
         v = y.to(v_ptr.dtype.element_ty)
         tl.store(v_ptr + row * DK + ck[None, :], v)
-        return v.to(tl.float32)
+        vf = v.to(tl.float32)
+        return vf, vf, vf, 1.0
     elif FMT == 3:
         NB: tl.constexpr = DK // 32
         X = tl.reshape(S, (BV, NB, 32))
@@ -132,8 +136,8 @@ def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
         tl.store(v_ptr + row * DK + ck[None, :], v)
         sb = tl.arange(0, NB)
         tl.store(s_ptr + (mat * DV + rv[:, None]) * NB + sb[None, :], scale)
-        out = tl.reshape(v.to(tl.float32), (BV, NB, 32)) * scale[:, :, None]
-        return tl.reshape(out, (BV, DK))
+        va = tl.reshape(v.to(tl.float32), (BV, NB, 32))
+        return tl.reshape(va * scale[:, :, None], (BV, DK)), va, va, scale
     else:
         NB: tl.constexpr = DK // 16
         fin = tl.abs(S) < float("inf")
@@ -163,7 +167,10 @@ def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
         tl.store(s_ptr + (mat * DV + rv[:, None]) * NB + sb[None, :], s.to(tl.float8e4nv))
         tl.store(g_ptr + gidx, gs)
         out = tl.reshape(q, (BV, NB, 16)) * s[:, :, None]
-        return tl.reshape(out, (BV, DK)) * gs
+        even_q, odd_q = tl.split(tl.reshape(q, (BV, NB, 8, 2)))
+        # load_read's form: codes times 2**-14 (exact), block scale x global scale x 2**14
+        return (tl.reshape(out, (BV, DK)) * gs, even_q * 0.00006103515625, odd_q * 0.00006103515625,
+                s * (gs * 16384.0))
 
 
 @triton.jit
@@ -230,8 +237,12 @@ def write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gid
                      A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr):
     """Cast the unrounded fp32 rows S independently into the anchor and (unless shared) the read
     copy, with separate stochastic-rounding streams (2 * tokens and 2 * tokens + 1, as
-    ``ReplayCache.write_checkpoint``), then make the rows visible to the whole program."""
-    store_tile(S, av_ptr, as_ptr, ag_ptr, mat, gidx, head, rv, ck, seed, tokens * 2, DV, DK, A_FMT, A_SR)
-    if not SHARED:
-        store_tile(S, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck, seed, tokens * 2 + 1, DV, DK, R_FMT, R_SR)
-    tl.debug_barrier()  # the rows just written are read back by other threads of the program
+    ``ReplayCache.write_checkpoint``). Returns the read copy's rows in ``load_read``'s layout."""
+    _, aa, ab, asc = store_tile(S, av_ptr, as_ptr, ag_ptr, mat, gidx, head, rv, ck, seed, tokens * 2, DV, DK,
+                                A_FMT, A_SR)
+    if SHARED:
+        return aa, ab, asc
+    else:
+        _, ra, rb, rsc = store_tile(S, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck, seed, tokens * 2 + 1,
+                                    DV, DK, R_FMT, R_SR)
+        return ra, rb, rsc

@@ -96,8 +96,18 @@ def check_geometry(cache):
         raise ValueError("backend='triton' with an fp8 format needs dk >= 32")
 
 
-def block_rows(cache, batch: int) -> int:
-    """Rows of a head per program: the cache's row block (32 for real geometries, measured the
-    fastest of 16/32/64 on an H200 at batch 256). A program then owns whole NVFP4 global-scale
-    blocks, so it can encode its rows alone at a refresh."""
-    return cache.row_block
+#: Launch-shape overrides, for benchmark sweeps: {"block_rows": int, "num_warps": int}.
+TUNING: dict = {}
+
+
+def launch_shape(cache) -> tuple[int, int]:
+    """(rows of a head per program, warps per program). Default: the cache's row block (32 for
+    real geometries) and 4 warps up to 4096 tile elements, 8 above. A program must own whole
+    NVFP4 global-scale blocks to encode its rows alone at a refresh, so with an NVFP4 format the
+    rows are exactly one row block."""
+    rows = TUNING.get("block_rows", cache.row_block)
+    fmts = {cache.precision.anchor.name, cache.precision.read_format.name}
+    if "nvfp4" in fmts or rows < 16 or rows > cache.dv or cache.dv % rows:  # tl.dot needs >= 16
+        rows = cache.row_block
+    warps = TUNING.get("num_warps", 4 if rows * cache.dk <= 4096 else 8)
+    return rows, warps

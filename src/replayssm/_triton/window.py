@@ -9,14 +9,26 @@ import triton.language as tl
 
 
 @triton.jit
-def slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T: tl.constexpr, L: tl.constexpr):
-    """(valid, storage row, committed count h, refresh due) of batch row ``pid_b``; a pad (-1)
-    maps to the scratch row with h = 0 and never refreshes."""
+def slot_row(slots_ptr, pid_b, SCRATCH):
+    """(valid, storage row) of batch row ``pid_b``; a pad (-1) maps to the scratch row."""
     slot = tl.load(slots_ptr + pid_b)
     valid = slot >= 0
-    row = tl.where(valid, slot, SCRATCH).to(tl.int64)
+    return valid, tl.where(valid, slot, SCRATCH).to(tl.int64)
+
+
+@triton.jit
+def cursor(committed_ptr, valid, row, T: tl.constexpr, L: tl.constexpr):
+    """(committed count h, refresh due) of a storage row; a pad has h = 0 and never refreshes."""
     h = tl.where(valid, tl.load(committed_ptr + row), 0)
-    return valid, row, h, valid & (h + T > L)
+    return h, valid & (h + T > L)
+
+
+@triton.jit
+def slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T: tl.constexpr, L: tl.constexpr):
+    """(valid, storage row, committed count h, refresh due) of batch row ``pid_b``."""
+    valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
+    h, need = cursor(committed_ptr, valid, row, T, L)
+    return valid, row, h, need
 
 
 @triton.jit

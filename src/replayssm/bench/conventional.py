@@ -10,6 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
+#: Rows of a head per program and warps per program (benchmarks may override for sweeps).
+SHAPE = {"block_rows": 16, "num_warps": 4}
+
 
 @triton.jit
 def _mamba2_conv_kernel(state_ptr, inter_ptr, slots_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr,
@@ -39,16 +42,17 @@ def _mamba2_conv_kernel(state_ptr, inter_ptr, slots_ptr, x_ptr, dt_ptr, A_ptr, B
         tl.store(state_ptr + off, S)
 
 
-def mamba2_conventional(state, slots, x, dt, A, B, C, D, inter=None, block_rows=16):
+def mamba2_conventional(state, slots, x, dt, A, B, C, D, inter=None):
     """state fp32 [pool, H, P, N] updated in place (or, with ``inter`` [pool, T, H, P, N], one
     state per draft written there); x [b, T, H, P]; dt fp32 [b, T, H] (after softplus);
     A, D [H]; B, C [b, T, G, N]. Returns y fp32 [b, T, H, P]."""
     b, T, H, P = x.shape
     N, G = state.shape[-1], B.shape[2]
     y = torch.empty(b, T, H, P, device=x.device, dtype=torch.float32)
+    block_rows = min(SHAPE["block_rows"], P)
     _mamba2_conv_kernel[(b, H, P // block_rows)](
         state, state if inter is None else inter, slots, x, dt, A, B, C, D, y, H, G,
-        T=T, DV=P, DK=N, BV=block_rows, SPEC=inter is not None, num_warps=4)
+        T=T, DV=P, DK=N, BV=block_rows, SPEC=inter is not None, num_warps=SHAPE["num_warps"])
     return y
 
 
@@ -80,13 +84,26 @@ def _gdn_conv_kernel(state_ptr, inter_ptr, slots_ptr, q_ptr, k_ptr, v_ptr, g_ptr
         tl.store(state_ptr + off, S)
 
 
-def gdn_conventional(state, slots, q, k, v, g, beta, inter=None, block_rows=16):
+def gdn_conventional(state, slots, q, k, v, g, beta, inter=None):
     """state fp32 [pool, HV, V, K] in place (or one state per draft into ``inter``); q, k
     [b, T, HK, K] (normalized, q scaled); v [b, T, HV, V]; g, beta fp32 [b, T, HV]."""
     b, T, HV, V = v.shape
     K, HK = state.shape[-1], q.shape[2]
     o = torch.empty(b, T, HV, V, device=v.device, dtype=torch.float32)
+    block_rows = min(SHAPE["block_rows"], V)
     _gdn_conv_kernel[(b, HV, V // block_rows)](
         state, state if inter is None else inter, slots, q, k, v, g, beta, o, HV, HK,
-        T=T, DV=V, DK=K, BV=block_rows, SPEC=inter is not None, num_warps=4)
+        T=T, DV=V, DK=K, BV=block_rows, SPEC=inter is not None, num_warps=SHAPE["num_warps"])
     return o
+
+
+@triton.jit
+def _copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(dst_ptr + i, tl.load(src_ptr + i, mask=i < n), mask=i < n)
+
+
+def device_copy(src, dst, block=1024):
+    """dst[:] = src[:] (contiguous, same dtype) by a plain streaming kernel: the copy ceiling."""
+    n = src.numel()
+    _copy_kernel[(triton.cdiv(n, block),)](src, dst, n, BLOCK=block, num_warps=4)

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from .._triton import launch
 from .._triton.decay import segment_to
-from .._triton.window import slot_cursor, window_rows, window_scalars
+from .._triton.window import cursor, slot_cursor, slot_row, window_rows, window_scalars
 from .._triton.formats import load_query, load_read, load_tile, matvec, write_checkpoint
 
 
@@ -61,7 +61,7 @@ def _gdn_step_kernel(
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr):
     pid_b, head, pid_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    valid, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
+    valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
     khead = head // (HV // HK)
     mat = row * HV + head
     gidx = mat * (DV // BV) + pid_v  # NVFP4 global-scale block of these rows
@@ -69,10 +69,19 @@ def _gdn_step_kernel(
     ck = tl.arange(0, DK)
     j = tl.arange(0, LP)
     buf_tok = row * L + j
+    # the read copy in its own layout (the anchor itself when shared), issued before the cursor
+    # load so that the two latencies overlap; a refreshing program replaces it below
+    ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
+    h, need = cursor(committed_ptr, valid, row, T, L)
 
     if need:  # refresh: re-solve the committed residuals from the anchor, token by token
-        S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
-        for jj in range(0, L):  # the conventional recurrence over the committed tokens (none past h)
+        if SHARED and R_FMT <= 2:
+            S = ra  # already holds the anchor's rows in fp32
+        else:
+            S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
+        # the conventional recurrence over the committed tokens (none past h); unrolled, so the
+        # buffer loads of every token are independent of S and issue up front
+        for jj in tl.static_range(L):
             tok_j = row * L + jj
             m = jj < h
             kr = tl.load(bk_ptr + (tok_j * HK + khead) * DK + ck, mask=m & (ck < DK), other=0.0).to(tl.float32)
@@ -80,12 +89,10 @@ def _gdn_step_kernel(
             S = S * tl.exp(tl.load(bg_ptr + tok_j * HV + head, mask=m, other=0.0))
             u = tl.load(bbeta_ptr + tok_j * HV + head, mask=m, other=0.0) * (vr - tl.sum(S * kr[None, :], 1))
             S += u[:, None] * kr[None, :]
-        write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
-                         tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT, A_SR, R_FMT,
-                         R_SR, SHARED)
-    # the read copy in its own layout (the anchor itself when shared)
-    ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
-    h = tl.where(need, 0, h)
+        ra, rb, rsc = write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
+                                       tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT, A_SR,
+                                       R_FMT, R_SR, SHARED)
+    h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
 
     old = j < h
     g = window_scalars(bg_ptr, g_ptr, row, pid_b, h, head, HV, T, L, LP)
@@ -126,7 +133,7 @@ def step(cache, slots, q, k, v, g, beta, commit: bool):
     anchor, read, consts = launch.format_args(cache)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     o = torch.empty(b, T, HV, V, dtype=torch.float32, device=v.device)
-    bv = launch.block_rows(cache, b)
+    bv, warps = launch.launch_shape(cache)
     buf = cache.buffer
     LP = max(16, triton.next_power_of_2(cache.window))
     HK = cache.num_k_heads
@@ -139,6 +146,6 @@ def step(cache, slots, q, k, v, g, beta, commit: bool):
         q, k, v, g, beta, scores, o, cache.scratch_row, HV, HK,
         T=T, L=cache.window, LP=LP, DV=V,
         DK=cache.head_k_dim, BV=bv,
-        num_warps=4 if bv * cache.head_k_dim <= 4096 else 8, **consts)
+        num_warps=warps, **consts)
     launch.advance(cache, slots, T, commit, {"k": k, "g": g, "beta": beta})
     return o

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from .._triton import launch
 from .._triton.decay import segment_to, suffix_sums
-from .._triton.window import slot_cursor, window_rows, window_scalars
+from .._triton.window import cursor, slot_cursor, slot_row, window_rows, window_scalars
 from .._triton.formats import load_query, load_read, load_tile, matvec, write_checkpoint
 
 
@@ -55,7 +55,7 @@ def _mamba2_step_kernel(
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr):
     pid_b, head, pid_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    valid, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
+    valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
     group = head // (H // G)
     mat = row * H + head
     gidx = mat * (DV // BV) + pid_v  # NVFP4 global-scale block of these rows
@@ -63,24 +63,28 @@ def _mamba2_step_kernel(
     ck = tl.arange(0, DK)
     j = tl.arange(0, LP)
     buf_tok = row * L + j  # [LP] buffer token index of this slot
+    # the read copy in its own layout (the anchor itself when shared), issued before the cursor
+    # load so that the two latencies overlap; a refreshing program replaces it below
+    ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
+    h, need = cursor(committed_ptr, valid, row, T, L)
 
     if need:  # refresh: fold the h committed entries into a new checkpoint, from the anchor
-        la_c = tl.load(bla_ptr + buf_tok * H + head, mask=j < h, other=0.0)
-        w_all = tl.exp(suffix_sums(la_c, h))  # decay from each entry to the end of the history
-        S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT) * tl.exp(tl.sum(la_c, 0))
-        for jj in range(0, L):  # one rank-1 update per committed token (w = 0 past h)
-            tok_j = row * L + jj
-            m = jj < h
-            w = tl.sum(tl.where(j == jj, w_all, 0.0), 0) * tl.load(bdt_ptr + tok_j * H + head, mask=m, other=0.0)
-            xr = tl.load(bx_ptr + (tok_j * H + head) * DV + rv, mask=m & (rv < DV), other=0.0).to(tl.float32)
-            kr = tl.load(bB_ptr + (tok_j * G + group) * DK + ck, mask=m & (ck < DK), other=0.0).to(tl.float32)
-            S += (xr * w)[:, None] * kr[None, :]
-        write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
-                         tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT, A_SR, R_FMT,
-                         R_SR, SHARED)
-    # the read copy in its own layout (the anchor itself when shared)
-    ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
-    h = tl.where(need, 0, h)
+        old = j < h
+        la_c = tl.load(bla_ptr + buf_tok * H + head, mask=old, other=0.0)
+        w = tl.exp(suffix_sums(la_c, h)) * tl.load(bdt_ptr + buf_tok * H + head, mask=old, other=0.0)
+        X_c = tl.load(bx_ptr + (buf_tok[:, None] * H + head) * DV + rv[None, :], mask=old[:, None], other=0.0)
+        B_c = tl.load(bB_ptr + (buf_tok[:, None] * G + group) * DK + ck[None, :], mask=old[:, None], other=0.0)
+        if SHARED and R_FMT <= 2:
+            S = ra  # already holds the anchor's rows in fp32
+        else:
+            S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
+        # S = gamma_h S_anchor + sum_j w_j x_j B_j^T: one [BV, LP] x [LP, DK] product in IEEE fp32
+        S = S * tl.exp(tl.sum(la_c, 0)) + tl.dot(tl.trans(X_c.to(tl.float32) * w[:, None]), B_c.to(tl.float32),
+                                                 input_precision="ieee")
+        ra, rb, rsc = write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
+                                       tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT, A_SR,
+                                       R_FMT, R_SR, SHARED)
+    h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
 
     # the window's entries: committed ones from the buffer, the T new ones from the inputs
     new = (j >= h) & (j < h + T)
@@ -122,7 +126,7 @@ def step(cache, slots, x, dt, log_alpha, B, C, D, z, commit: bool):
     x, dt, log_alpha, B, C = (t.contiguous() for t in (x, dt, log_alpha, B, C))
     z = None if z is None else z.contiguous()
     y = torch.empty(b, T, H, P, dtype=torch.float32, device=x.device)
-    bv = launch.block_rows(cache, b)
+    bv, warps = launch.launch_shape(cache)
     buf = cache.buffer
     LP = max(16, triton.next_power_of_2(cache.window))
     scores = torch.empty(b, cache.ngroups, T, LP, dtype=torch.float32, device=x.device)
@@ -136,7 +140,7 @@ def step(cache, slots, x, dt, log_alpha, B, C, D, z, commit: bool):
         cache.scratch_row, H, cache.ngroups,
         T=T, L=cache.window, LP=LP, DV=P,
         DK=cache.dstate, BV=bv, HAS_D=D is not None, HAS_Z=z is not None,
-        num_warps=4 if bv * cache.dstate <= 4096 else 8,
+        num_warps=warps,
         **consts)
     launch.advance(cache, slots, T, commit, {"dt": dt, "log_alpha": log_alpha, "B": B})
     return y

@@ -1,0 +1,76 @@
+"""Launch-shape sweep on the GPU: rows per program x warps, for the ReplaySSM step kernels and the
+conventional baselines, at batch 256 with real geometries (staggered windows, CUDA graphs).
+Checks the kernels against float64 first. Prints one line per configuration and writes
+$OUT/sweep.json. Used to pick the defaults in ``_triton/launch.py`` and ``bench/conventional.py``.
+
+    PYTHONPATH=src python3 benchmarks/sweep_shapes.py [--presets s32_rs,tp8_hi32] [--skip-check]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from replayssm._triton import launch
+from replayssm.bench import conventional, suite
+from replayssm.bench.measure import bench_one, correctness, graph_check
+from replayssm.bench.suite import Problem
+
+GEO = {"mamba2": "nemotron3-super", "gdn": "qwen35-122b"}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--presets", default="s32_rs,tp16_hi32,tp8_hi32")
+    ap.add_argument("--check-presets", default="s32_rs,tp8_hi32,tp4_hi16_sr,f4_sr_rs")
+    ap.add_argument("--shapes", default="16x2,16x4,32x2,32x4,32x8,64x4,64x8")
+    ap.add_argument("--conv-shapes", default="8x1,8x2,16x1,16x2,16x4,32x4")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--skip-check", action="store_true")
+    args = ap.parse_args()
+    out = {"rows": [], "checks": []}
+    t0 = time.time()
+    for arch in ("mamba2", "gdn"):
+        dims = suite.GEOMETRIES[GEO[arch]][1]
+        if not args.skip_check:
+            for preset in args.check_presets.split(","):
+                e, rel, se = correctness(Problem(arch, dims, args.batch, 1), preset)
+                out["checks"].append(dict(arch=arch, preset=preset, max_abs=e, rel=rel, state=se))
+                print(f"check {arch:6s} {preset:12s} max abs {e:.2e} rel {rel:.2e} state {se:.2e}", flush=True)
+            same = graph_check(Problem(arch, dims, args.batch, 1))
+            print(f"graph {arch} 48-step replay bit-identical: {same}", flush=True)
+            out["checks"].append(dict(arch=arch, graph_identical=same))
+        for T in (1, 4):
+            p = Problem(arch, dims, args.batch, T)
+            for shape in args.conv_shapes.split(","):
+                rows, warps = map(int, shape.split("x"))
+                conventional.SHAPE.update(block_rows=rows, num_warps=warps)
+                (us, sp), _ = bench_one(p, None)
+                gbs = p.batch * p.state_elems * 4 * (1 + T) / us / 1e6
+                print(f"{arch:6s} T={T} conventional {shape:5s} {us:8.1f} us ±{sp:4.1f}  {gbs:.2f} TB/s", flush=True)
+                out["rows"].append(dict(arch=arch, T=T, kernel="conventional", shape=shape, us=us, tbs=gbs))
+            for preset in args.presets.split(","):
+                for shape in args.shapes.split(","):
+                    if T > 1 and shape not in ("32x4", "16x4", "16x2"):
+                        continue
+                    rows, warps = map(int, shape.split("x"))
+                    launch.TUNING.update(block_rows=rows, num_warps=warps)
+                    modes = ["staggered", "refresh"] if T == 1 and preset == "s32_rs" else ["staggered"]
+                    for mode in modes:
+                        (us, sp), tr = bench_one(p, preset, mode)
+                        print(f"{arch:6s} T={T} {preset:12s} {mode:9s} {shape:5s} {us:8.1f} us ±{sp:4.1f}  "
+                              f"{tr['replay'] / us / 1e6:.2f} TB/s model", flush=True)
+                        out["rows"].append(dict(arch=arch, T=T, kernel=preset, mode=mode, shape=shape, us=us,
+                                                tbs=tr["replay"] / us / 1e6))
+            launch.TUNING.clear()
+    out["copy_bandwidth"] = suite.copy_bandwidth()
+    print(f"copy ceiling {out['copy_bandwidth'] / 1e12:.2f} TB/s; {time.time() - t0:.0f} s", flush=True)
+    with open(os.path.join(os.environ.get("OUT", "."), "sweep.json"), "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
