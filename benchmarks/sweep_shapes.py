@@ -54,10 +54,13 @@ def main():
                 out["rows"].append(dict(arch=arch, T=T, kernel="conventional", shape=shape, us=us, tbs=gbs))
             for preset in args.presets.split(","):
                 for shape in args.shapes.split(","):
-                    if T > 1 and shape not in ("32x4", "16x4", "16x2"):
+                    if T > 1 and shape.rstrip("d") not in ("32x4", "16x4", "16x2", "32x2"):
                         continue
-                    rows, warps = map(int, shape.split("x"))
-                    launch.TUNING.update(block_rows=rows, num_warps=warps)
+                    if shape.endswith("d") and arch != "mamba2":
+                        continue
+                    rows, warps = map(int, shape.rstrip("d").split("x"))
+                    launch.TUNING.clear()  # a trailing d: Mamba-2 refresh as a tensor-core product
+                    launch.TUNING.update(block_rows=rows, num_warps=warps, refresh_dot=shape.endswith("d"))
                     modes = ["staggered", "refresh"] if T == 1 and preset == "s32_rs" else ["staggered"]
                     for mode in modes:
                         (us, sp), tr = bench_one(p, preset, mode)

@@ -18,7 +18,7 @@ SHAPE = {"block_rows": 16, "num_warps": 4}
 def _mamba2_conv_kernel(state_ptr, inter_ptr, slots_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr,
                         y_ptr, H, G, T: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
                         BV: tl.constexpr, SPEC: tl.constexpr):
-    pid_b, head, pid_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # row blocks fastest
     slot = tl.load(slots_ptr + pid_b).to(tl.int64)
     rv = pid_v * BV + tl.arange(0, BV)
     ck = tl.arange(0, DK)
@@ -50,7 +50,7 @@ def mamba2_conventional(state, slots, x, dt, A, B, C, D, inter=None):
     N, G = state.shape[-1], B.shape[2]
     y = torch.empty(b, T, H, P, device=x.device, dtype=torch.float32)
     block_rows = min(SHAPE["block_rows"], P)
-    _mamba2_conv_kernel[(b, H, P // block_rows)](
+    _mamba2_conv_kernel[(P // block_rows, H, b)](
         state, state if inter is None else inter, slots, x, dt, A, B, C, D, y, H, G,
         T=T, DV=P, DK=N, BV=block_rows, SPEC=inter is not None, num_warps=SHAPE["num_warps"])
     return y
@@ -60,7 +60,7 @@ def mamba2_conventional(state, slots, x, dt, A, B, C, D, inter=None):
 def _gdn_conv_kernel(state_ptr, inter_ptr, slots_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
                      HV, HK, T: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
                      SPEC: tl.constexpr):
-    pid_b, head, pid_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # row blocks fastest
     slot = tl.load(slots_ptr + pid_b).to(tl.int64)
     rv = pid_v * BV + tl.arange(0, BV)
     ck = tl.arange(0, DK)
@@ -91,7 +91,7 @@ def gdn_conventional(state, slots, q, k, v, g, beta, inter=None):
     K, HK = state.shape[-1], q.shape[2]
     o = torch.empty(b, T, HV, V, device=v.device, dtype=torch.float32)
     block_rows = min(SHAPE["block_rows"], V)
-    _gdn_conv_kernel[(b, HV, V // block_rows)](
+    _gdn_conv_kernel[(V // block_rows, HV, b)](
         state, state if inter is None else inter, slots, q, k, v, g, beta, o, HV, HK,
         T=T, DV=V, DK=K, BV=block_rows, SPEC=inter is not None, num_warps=SHAPE["num_warps"])
     return o

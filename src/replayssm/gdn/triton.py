@@ -60,7 +60,8 @@ def _gdn_step_kernel(
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr):
-    pid_b, head, pid_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # row blocks vary fastest: programs running side by side stream one slot's contiguous state
+    pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
     khead = head // (HV // HK)
     mat = row * HV + head
@@ -140,7 +141,7 @@ def step(cache, slots, q, k, v, g, beta, commit: bool):
     scores = torch.empty(b, HK, 2, T, LP, dtype=torch.float32, device=v.device)
     _gdn_scores_kernel[(b, HK)](slots, cache.committed, buf["k"], k, q, scores, cache.scratch_row, HK,
                                 T=T, L=cache.window, LP=LP, DK=cache.head_k_dim)
-    _gdn_step_kernel[(b, HV, V // bv)](
+    _gdn_step_kernel[(V // bv, HV, b)](
         slots, cache.committed, cache.tokens, cache.seeds, *anchor, *read,
         buf["k"], buf["v"], buf["g"], buf["beta"], buf["u"],
         q, k, v, g, beta, scores, o, cache.scratch_row, HV, HK,

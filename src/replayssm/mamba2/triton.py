@@ -53,8 +53,9 @@ def _mamba2_step_kernel(
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
-        SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr):
-    pid_b, head, pid_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, REFRESH_DOT: tl.constexpr):
+    # row blocks vary fastest: programs running side by side stream one slot's contiguous state
+    pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
     group = head // (H // G)
     mat = row * H + head
@@ -69,18 +70,27 @@ def _mamba2_step_kernel(
     h, need = cursor(committed_ptr, valid, row, T, L)
 
     if need:  # refresh: fold the h committed entries into a new checkpoint, from the anchor
-        old = j < h
-        la_c = tl.load(bla_ptr + buf_tok * H + head, mask=old, other=0.0)
-        w = tl.exp(suffix_sums(la_c, h)) * tl.load(bdt_ptr + buf_tok * H + head, mask=old, other=0.0)
-        X_c = tl.load(bx_ptr + (buf_tok[:, None] * H + head) * DV + rv[None, :], mask=old[:, None], other=0.0)
-        B_c = tl.load(bB_ptr + (buf_tok[:, None] * G + group) * DK + ck[None, :], mask=old[:, None], other=0.0)
+        la_c = tl.load(bla_ptr + buf_tok * H + head, mask=j < h, other=0.0)
+        w_all = tl.exp(suffix_sums(la_c, h))  # decay from each entry to the end of the history
         if SHARED and R_FMT <= 2:
             S = ra  # already holds the anchor's rows in fp32
         else:
             S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
-        # S = gamma_h S_anchor + sum_j w_j x_j B_j^T: one [BV, LP] x [LP, DK] product in IEEE fp32
-        S = S * tl.exp(tl.sum(la_c, 0)) + tl.dot(tl.trans(X_c.to(tl.float32) * w[:, None]), B_c.to(tl.float32),
-                                                 input_precision="ieee")
+        S = S * tl.exp(tl.sum(la_c, 0))
+        if REFRESH_DOT:  # S += sum_j w_j x_j B_j^T as one [BV, LP] x [LP, DK] tensor-core product
+            old = j < h
+            w = w_all * tl.load(bdt_ptr + buf_tok * H + head, mask=old, other=0.0)
+            X_c = tl.load(bx_ptr + (buf_tok[:, None] * H + head) * DV + rv[None, :], mask=old[:, None], other=0.0)
+            B_c = tl.load(bB_ptr + (buf_tok[:, None] * G + group) * DK + ck[None, :], mask=old[:, None], other=0.0)
+            S += tl.dot(tl.trans(X_c.to(tl.float32) * w[:, None]), B_c.to(tl.float32), input_precision="tf32x3")
+        else:  # one rank-1 update per committed token (w = 0 past h); unrolled, loads issue up front
+            for jj in tl.static_range(L):
+                tok_j = row * L + jj
+                m = jj < h
+                w = tl.sum(tl.where(j == jj, w_all, 0.0), 0) * tl.load(bdt_ptr + tok_j * H + head, mask=m, other=0.0)
+                xr = tl.load(bx_ptr + (tok_j * H + head) * DV + rv, mask=m & (rv < DV), other=0.0).to(tl.float32)
+                kr = tl.load(bB_ptr + (tok_j * G + group) * DK + ck, mask=m & (ck < DK), other=0.0).to(tl.float32)
+                S += (xr * w)[:, None] * kr[None, :]
         ra, rb, rsc = write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
                                        tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT, A_SR,
                                        R_FMT, R_SR, SHARED)
@@ -133,13 +143,14 @@ def step(cache, slots, x, dt, log_alpha, B, C, D, z, commit: bool):
     _mamba2_scores_kernel[(b, cache.ngroups)](slots, cache.committed, buf["B"], B, C, scores,
                                               cache.scratch_row, cache.ngroups, T=T, L=cache.window,
                                               LP=LP, DK=cache.dstate)
-    _mamba2_step_kernel[(b, H, P // bv)](
+    _mamba2_step_kernel[(P // bv, H, b)](
         slots, cache.committed, cache.tokens, cache.seeds, *anchor, *read,
         buf["x"], buf["dt"], buf["log_alpha"], buf["B"],
         x, dt, log_alpha, C, x if D is None else D, x if z is None else z, scores, y,
         cache.scratch_row, H, cache.ngroups,
         T=T, L=cache.window, LP=LP, DV=P,
         DK=cache.dstate, BV=bv, HAS_D=D is not None, HAS_Z=z is not None,
+        REFRESH_DOT=launch.TUNING.get("refresh_dot", False),
         num_warps=warps,
         **consts)
     launch.advance(cache, slots, T, commit, {"dt": dt, "log_alpha": log_alpha, "B": B})
