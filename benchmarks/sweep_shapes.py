@@ -47,7 +47,7 @@ def main():
             p = Problem(arch, dims, args.batch, T)
             for shape in args.conv_shapes.split(","):
                 rows, warps = map(int, shape.split("x"))
-                conventional.SHAPE.update(block_rows=rows, num_warps=warps)
+                conventional.SHAPE["override"] = (rows, warps)
                 (us, sp), _ = bench_one(p, None)
                 gbs = p.batch * p.state_elems * 4 * (1 + T) / us / 1e6
                 print(f"{arch:6s} T={T} conventional {shape:5s} {us:8.1f} us ±{sp:4.1f}  {gbs:.2f} TB/s", flush=True)
@@ -56,10 +56,8 @@ def main():
                 for shape in args.shapes.split(","):
                     if T > 1 and shape.rstrip("d") not in ("32x4", "16x4", "16x2", "32x2"):
                         continue
-                    if shape.endswith("d") and arch != "mamba2":
-                        continue
                     rows, warps = map(int, shape.rstrip("d").split("x"))
-                    launch.TUNING.clear()  # a trailing d: Mamba-2 refresh as a tensor-core product
+                    launch.TUNING.clear()  # a trailing d: the refresh as tensor-core products
                     launch.TUNING.update(block_rows=rows, num_warps=warps, refresh_dot=shape.endswith("d"))
                     modes = ["staggered", "refresh"] if T == 1 and preset == "s32_rs" else ["staggered"]
                     for mode in modes:
@@ -69,6 +67,7 @@ def main():
                         out["rows"].append(dict(arch=arch, T=T, kernel=preset, mode=mode, shape=shape, us=us,
                                                 tbs=tr["replay"] / us / 1e6))
             launch.TUNING.clear()
+            conventional.SHAPE.pop("override", None)
     out["copy_bandwidth"] = suite.copy_bandwidth()
     print(f"copy ceiling {out['copy_bandwidth'] / 1e12:.2f} TB/s; {time.time() - t0:.0f} s", flush=True)
     with open(os.path.join(os.environ.get("OUT", "."), "sweep.json"), "w") as f:
