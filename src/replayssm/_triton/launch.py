@@ -100,27 +100,21 @@ def check_geometry(cache):
 #: "refresh_dot": bool}.
 TUNING: dict = {}
 
-#: (rows of a head per program, warps per program) by architecture and read-copy width: the
-#: fastest measured on an H200 at batch 256 (benchmarks/sweep_shapes.py, BENCHMARKS.md).
-SHAPES = {("mamba2", "fp32"): (16, 2), ("mamba2", "narrow"): (32, 2),
-          ("gdn", "fp32"): (16, 2), ("gdn", "narrow"): (32, 4)}
+#: (rows of a head per program, warps per program, Mamba-2 refresh on tensor cores) by
+#: architecture and read-copy width: the fastest measured on an H200 at batch 256 with real
+#: geometries (benchmarks/sweep_shapes.py; BENCHMARKS.md has the sweep).
+SHAPES = {("mamba2", "fp32"): (16, 2, False), ("mamba2", "narrow"): (16, 2, True),
+          ("gdn", "fp32"): (16, 2, False), ("gdn", "narrow"): (32, 4, False)}
 
 
-def launch_shape(cache, arch: str) -> tuple[int, int]:
-    """(rows of a head per program, warps per program) for a step of ``cache``. A program must
-    own whole NVFP4 global-scale blocks to encode its rows alone at a refresh, so with an NVFP4
-    format the rows are exactly one row block; tl.dot needs at least 16 rows."""
+def launch_shape(cache, arch: str) -> tuple[int, int, bool]:
+    """(rows of a head per program, warps per program, refresh on tensor cores) for a step of
+    ``cache``. A program must own whole NVFP4 global-scale blocks to encode its rows alone at a
+    refresh, so with an NVFP4 format the rows are exactly one row block; tl.dot needs >= 16 rows."""
     read = cache.precision.read_format.name
-    rows, warps = SHAPES[(arch, "fp32" if read == "fp32" else "narrow")]
+    rows, warps, dot = SHAPES[(arch, "fp32" if read == "fp32" else "narrow")]
     rows = TUNING.get("block_rows", rows)
-    warps = TUNING.get("num_warps", warps)
     fmts = {cache.precision.anchor.name, read}
     if "nvfp4" in fmts or rows < 16 or rows > cache.dv or cache.dv % rows:
         rows = cache.row_block
-    return rows, warps
-
-
-def refresh_on_tensor_cores() -> bool:
-    """Fold the replay buffer into the checkpoint with 3-pass tf32 tensor-core products (default)
-    or with one rank-1 update per token on the CUDA cores."""
-    return TUNING.get("refresh_dot", True)
+    return rows, TUNING.get("num_warps", warps), TUNING.get("refresh_dot", dot)

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .._triton import launch
-from .._triton.decay import segment_to, suffix_sums
+from .._triton.decay import segment_to
 from .._triton.window import cursor, slot_cursor, slot_row, window_rows, window_scalars
 from .._triton.formats import load_query, load_read, load_tile, matvec, write_checkpoint
 
@@ -59,7 +59,7 @@ def _gdn_step_kernel(
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
-        SHARED: tl.constexpr, REFRESH_DOT: tl.constexpr):
+        SHARED: tl.constexpr):
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
@@ -80,35 +80,17 @@ def _gdn_step_kernel(
             S = ra  # already holds the anchor's rows in fp32
         else:
             S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
-        if REFRESH_DOT:  # DESIGN §2's triangular system, its products on tensor cores (3-pass tf32)
-            old = j < h
-            K_c = tl.load(bk_ptr + (buf_tok[:, None] * HK + khead) * DK + ck[None, :], mask=old[:, None], other=0.0)
-            V_c = tl.load(bv_ptr + (buf_tok[None, :] * HV + head) * DV + rv[:, None], mask=old[None, :],
-                          other=0.0).to(tl.float32)  # [BV, LP]
-            g_c = tl.load(bg_ptr + buf_tok * HV + head, mask=old, other=0.0)
-            beta_c = tl.load(bbeta_ptr + buf_tok * HV + head, mask=old, other=0.0)
-            SK = tl.dot(S, tl.trans(K_c), input_precision="tf32x3")  # [BV, LP]: S_anchor k_j
-            KK = tl.dot(K_c, tl.trans(K_c), input_precision="tf32x3")  # [LP, LP]: k_i . k_j
-            U = tl.zeros((BV, LP), dtype=tl.float32)
-            for jj in tl.static_range(L):  # forward substitution; u_j = 0 past h (beta masked to 0)
-                sel = j == jj
-                # alpha_j S_{j-1} k_j = e^{c_j} S_anchor k_j + sum_{i<j} e^{g(i, j]} (k_i . k_j) u_i
-                coef = tl.where(j < jj, tl.exp(segment_to(g_c, jj)) * tl.sum(tl.where(sel[None, :], KK, 0.0), 1), 0.0)
-                c_j = tl.sum(tl.where(j <= jj, g_c, 0.0), 0)
-                Sk = tl.exp(c_j) * tl.sum(tl.where(sel[None, :], SK, 0.0), 1) + tl.sum(U * coef[None, :], 1)
-                u = tl.sum(tl.where(sel, beta_c, 0.0), 0) * (tl.sum(tl.where(sel[None, :], V_c, 0.0), 1) - Sk)
-                U = tl.where(sel[None, :], u[:, None], U)
-            w = tl.exp(suffix_sums(g_c, h))  # decay from each entry to the end of the history
-            S = S * tl.exp(tl.sum(g_c, 0)) + tl.dot(U * w[None, :], K_c, input_precision="tf32x3")
-        else:  # the conventional recurrence over the committed tokens (none past h), unrolled
-            for jj in tl.static_range(L):
-                tok_j = row * L + jj
-                m = jj < h
-                kr = tl.load(bk_ptr + (tok_j * HK + khead) * DK + ck, mask=m & (ck < DK), other=0.0).to(tl.float32)
-                vr = tl.load(bv_ptr + (tok_j * HV + head) * DV + rv, mask=m & (rv < DV), other=0.0).to(tl.float32)
-                S = S * tl.exp(tl.load(bg_ptr + tok_j * HV + head, mask=m, other=0.0))
-                u = tl.load(bbeta_ptr + tok_j * HV + head, mask=m, other=0.0) * (vr - tl.sum(S * kr[None, :], 1))
-                S += u[:, None] * kr[None, :]
+        # the conventional recurrence over the committed tokens (none past h), unrolled so that
+        # every token's buffer loads are independent of S. (A triangular solve with tensor-core
+        # products instead measured 2-3x slower: BENCHMARKS.md, launch-shape sweep.)
+        for jj in tl.static_range(L):
+            tok_j = row * L + jj
+            m = jj < h
+            kr = tl.load(bk_ptr + (tok_j * HK + khead) * DK + ck, mask=m & (ck < DK), other=0.0).to(tl.float32)
+            vr = tl.load(bv_ptr + (tok_j * HV + head) * DV + rv, mask=m & (rv < DV), other=0.0).to(tl.float32)
+            S = S * tl.exp(tl.load(bg_ptr + tok_j * HV + head, mask=m, other=0.0))
+            u = tl.load(bbeta_ptr + tok_j * HV + head, mask=m, other=0.0) * (vr - tl.sum(S * kr[None, :], 1))
+            S += u[:, None] * kr[None, :]
         ra, rb, rsc = write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
                                        tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT, A_SR,
                                        R_FMT, R_SR, SHARED)
@@ -153,7 +135,7 @@ def step(cache, slots, q, k, v, g, beta, commit: bool):
     anchor, read, consts = launch.format_args(cache)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     o = torch.empty(b, T, HV, V, dtype=torch.float32, device=v.device)
-    bv, warps = launch.launch_shape(cache, "gdn")
+    bv, warps, _ = launch.launch_shape(cache, "gdn")
     buf = cache.buffer
     LP = max(16, triton.next_power_of_2(cache.window))
     HK = cache.num_k_heads
@@ -166,6 +148,6 @@ def step(cache, slots, q, k, v, g, beta, commit: bool):
         q, k, v, g, beta, scores, o, cache.scratch_row, HV, HK,
         T=T, L=cache.window, LP=LP, DV=V,
         DK=cache.head_k_dim, BV=bv,
-        num_warps=warps, REFRESH_DOT=launch.refresh_on_tensor_cores(), **consts)
+        num_warps=warps, **consts)
     launch.advance(cache, slots, T, commit, {"k": k, "g": g, "beta": beta})
     return o

@@ -136,7 +136,7 @@ def step(cache, slots, x, dt, log_alpha, B, C, D, z, commit: bool):
     x, dt, log_alpha, B, C = (t.contiguous() for t in (x, dt, log_alpha, B, C))
     z = None if z is None else z.contiguous()
     y = torch.empty(b, T, H, P, dtype=torch.float32, device=x.device)
-    bv, warps = launch.launch_shape(cache, "mamba2")
+    bv, warps, refresh_dot = launch.launch_shape(cache, "mamba2")
     buf = cache.buffer
     LP = max(16, triton.next_power_of_2(cache.window))
     scores = torch.empty(b, cache.ngroups, T, LP, dtype=torch.float32, device=x.device)
@@ -150,7 +150,7 @@ def step(cache, slots, x, dt, log_alpha, B, C, D, z, commit: bool):
         cache.scratch_row, H, cache.ngroups,
         T=T, L=cache.window, LP=LP, DV=P,
         DK=cache.dstate, BV=bv, HAS_D=D is not None, HAS_Z=z is not None,
-        REFRESH_DOT=launch.refresh_on_tensor_cores(),
+        REFRESH_DOT=refresh_dot,
         num_warps=warps,
         **consts)
     launch.advance(cache, slots, T, commit, {"dt": dt, "log_alpha": log_alpha, "B": B})
