@@ -179,6 +179,7 @@ def run(args) -> int:
                         report["rows"].append(dict(arch=arch, dims=dims, window=window, draft=draft, batch=batch,
                                                    kernel=b, mode="-", us=us, spread=spread,
                                                    bytes=p.batch * p.state_elems * 4 * (1 + T)))
+                        _save(report, args.output)
                     for preset in presets:
                         for mode in modes:
                             bar.step(f"{key} L={window} T={draft} b={batch} {preset} {mode}")
@@ -190,16 +191,22 @@ def run(args) -> int:
                                        kernel=preset, mode=mode, us=us, spread=spread, bytes=tr["replay"])
                             row.update({f"speedup_vs_{b}": t / us for b, t in base.items()})
                             report["rows"].append(row)
+                            _save(report, args.output)
     if bar.tty:
         print(file=sys.stderr)
-    for r in report["rows"]:
-        r["tb_per_s"] = r["bytes"] / r["us"] / 1e6
-        r["fraction_of_copy"] = r["bytes"] / (r["us"] * 1e-6) / report["copy_bandwidth"]
-    with open(os.path.join(args.output, "bench.json"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
+    _save(report, args.output)
     print(format_report(report))
     plots(report, args.output)
     return 0 if all(g["passed"] for g in report["gate"]) else 1
+
+
+def _save(report, out) -> None:
+    """Write DIR/bench.json (after every figure, so an interrupted sweep keeps what it measured)."""
+    for r in report["rows"]:
+        r["tb_per_s"] = r["bytes"] / r["us"] / 1e6
+        r["fraction_of_copy"] = r["bytes"] / (r["us"] * 1e-6) / report["copy_bandwidth"]
+    with open(os.path.join(out, "bench.json"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
 
 
 def format_report(report) -> str:
