@@ -71,3 +71,48 @@ def test_correctness_gate_passes_the_real_kernel_and_refuses_a_broken_one(arch):
 
     _, rel_broken, _ = measure.correctness(p, "s32_rs", "cpu", "torch", steps=18, rounds=2, T=2, call=broken)
     assert rel_broken > measure.gate_tolerance("s32_rs")
+
+
+def test_replot_merges_reports_without_a_gpu(tmp_path, capsys):
+    """--replot merges bench.json files (rows, gates, memory), fills in the accept rate of
+    speculative rows, and writes the merged bench.json (plots when matplotlib is there)."""
+    import json
+
+    def report(batch, draft, accept):
+        base = dict(arch="mamba2", dims=[8, 16, 32, 1], window=16, draft=draft, batch=batch, mode="-",
+                    kernel="ours", us=10.0, spread=0.1, bytes=8e6)
+        ours = dict(base, kernel="s32_rs", mode="staggered", us=8.0, bytes=4e6, speedup_vs_ours=1.25)
+        return {"environment": {"gpu": "test"}, "args": {"accept": accept}, "copy_bandwidth": 4e12,
+                "rows": [base, ours], "gate": [{"passed": True}], "memory": {}, "skipped": {}}
+
+    paths = []
+    for i, (batch, draft, accept) in enumerate(((8, 0, "all"), (64, 0, "all"), (64, 4, "half"))):
+        paths.append(tmp_path / f"r{i}.json")
+        paths[-1].write_text(json.dumps(report(batch, draft, accept)))
+    from replayssm.cli import main
+
+    assert main(["bench", "--replot", *map(str, paths), "--output", str(tmp_path / "merged")]) == 0
+    merged = json.loads((tmp_path / "merged" / "bench.json").read_text())
+    assert len(merged["rows"]) == 6 and len(merged["gate"]) == 3
+    assert [r["accept"] for r in merged["rows"] if r["draft"]] == ["half", "half"]
+    assert merged["rows"][1]["tb_per_s"] == pytest.approx(4e6 / 8.0 / 1e6)
+    assert "s32_rs" in capsys.readouterr().out
+
+
+def test_launch_shape_keeps_nvfp4_programs_on_whole_scale_blocks():
+    pytest.importorskip("triton")
+    import replayssm as rs
+    from replayssm._triton import launch
+
+    for preset in ("s32_rs", "tp8_hi32", "tp4_hi16_sr", "f4_sr_rs"):
+        cache = rs.Mamba2Cache(1, 2, 64, 128, ngroups=1, precision=preset, device="meta")
+        rows, warps, _ = launch.launch_shape(cache, "mamba2")
+        assert 64 % rows == 0 and rows >= 16 and warps >= 1
+        if "4" in preset:  # an NVFP4 format: a program owns exactly one global-scale block
+            assert rows == cache.row_block
+    try:
+        launch.TUNING.update(block_rows=64, num_warps=8)
+        cache = rs.Mamba2Cache(1, 2, 64, 128, ngroups=1, precision="tp4_hi16_sr", device="meta")
+        assert launch.launch_shape(cache, "mamba2")[0] == cache.row_block  # the override cannot split blocks
+    finally:
+        launch.TUNING.clear()

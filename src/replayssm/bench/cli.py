@@ -61,6 +61,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                     help="time CUDA-graph replays (default) or eager launches")
     ap.add_argument("--output", default="runs/bench")
+    ap.add_argument("--replot", nargs="+", metavar="JSON",
+                    help="no measuring: merge these bench.json files into DIR (table, bench.json, plots)")
     ap.set_defaults(func=run)
 
 
@@ -105,7 +107,7 @@ def _environment() -> dict:
         except (OSError, subprocess.TimeoutExpired):
             env["driver"] = None
     try:
-        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        env["commit"] = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
                                        cwd=os.path.dirname(__file__), timeout=10).stdout.strip() or None
     except (OSError, subprocess.TimeoutExpired):
         env["commit"] = None
@@ -123,6 +125,8 @@ class _Progress:
 
 
 def run(args) -> int:
+    if args.replot:
+        return replot(args)
     from . import measure, suite  # triton is needed from here on, not for --help
 
     if not torch.cuda.is_available():
@@ -188,7 +192,8 @@ def run(args) -> int:
                             (us, spread), tr = measure.bench_one(p, preset, mode, window=window,
                                                                  accept=args.accept if draft else "all")
                             row = dict(arch=arch, dims=dims, window=window, draft=draft, batch=batch,
-                                       kernel=preset, mode=mode, us=us, spread=spread, bytes=tr["replay"])
+                                       kernel=preset, mode=mode, us=us, spread=spread, bytes=tr["replay"],
+                                       accept=args.accept if draft else None)
                             row.update({f"speedup_vs_{b}": t / us for b, t in base.items()})
                             report["rows"].append(row)
                             _save(report, args.output)
@@ -245,35 +250,66 @@ def plots(report, out) -> None:
         print("matplotlib is not installed: plots skipped (pip install 'replayssm[plot]')")
         return
     rows = [r for r in report["rows"] if r["mode"] != "-" and "speedup_vs_ours" in r]
-    views = [("batch", "speedup_vs_batch.png", lambda r: r["draft"] == 0),
-             ("window", "speedup_vs_window.png", lambda r: r["draft"] == 0),
-             ("draft", "speedup_vs_draft.png", lambda r: r["draft"] > 0)]
+    views = [("batch", "speedup_vs_batch.png", lambda r: r["draft"] == 0 and r["window"] == 16),
+             ("window", "speedup_vs_window.png", lambda r: r["draft"] == 0 and r["batch"] == 256),
+             ("draft", "speedup_vs_draft.png", lambda r: r["draft"] > 0 and r["batch"] == 256)]
     for x, name, keep in views:
-        fig, ax = plt.subplots(figsize=(5, 3.5))
         series = {}
         for r in filter(keep, rows):
-            series.setdefault((r["arch"], r["kernel"]), []).append((r[x], r["speedup_vs_ours"]))
-        for (arch, kernel), pts in sorted(series.items()):
-            pts.sort()
-            ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=f"{arch} {kernel}")
+            label = f"{r['arch']} {r['kernel']}" + (f" accept {r.get('accept') or 'all'}" if x == "draft" else "")
+            series.setdefault(label, {})[r[x]] = r["speedup_vs_ours"]
+        series = {k: sorted(v.items()) for k, v in series.items() if len(v) > 1}
+        if not series:  # one value of x in this sweep: a curve would be a dot
+            continue
+        fig, ax = plt.subplots(figsize=(5.5, 3.6))
+        for label, pts in sorted(series.items()):
+            ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=label)
         ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set_xlabel(x)
-        ax.set_ylabel("speed-up vs conventional")
+        if x == "batch":
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel(x + (" (window 16)" if x == "batch" else " (batch 256)"))
+        ax.set_ylabel("speed-up vs conventional (ours)")
         ax.legend(fontsize=6)
         fig.tight_layout()
-        fig.savefig(os.path.join(out, name), dpi=110)
+        fig.savefig(os.path.join(out, name), dpi=100)
         plt.close(fig)
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    for r in report["rows"]:
-        ax.scatter(r["batch"], r["tb_per_s"], s=8)
+    fig, ax = plt.subplots(figsize=(5.5, 3.6))
+    for arch, marker in (("mamba2", "o"), ("gdn", "s")):
+        for kind, color in (("baseline", "black"), ("replay", "tab:blue")):
+            pts = [(r["batch"], r["tb_per_s"]) for r in report["rows"] if r["arch"] == arch and r["draft"] == 0
+                   and (r["mode"] == "-") == (kind == "baseline")]
+            if pts:
+                ax.scatter(*zip(*pts), s=10, marker=marker, color=color, label=f"{arch} {kind}s")
     ax.axhline(report["copy_bandwidth"] / 1e12, color="red", lw=0.8, label="copy ceiling")
-    ax.set_xscale("log")
-    ax.set_xlabel("batch")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch (decode, T = 1)")
     ax.set_ylabel("TB/s (traffic model)")
     ax.legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "bandwidth.png"), dpi=110)
+    fig.savefig(os.path.join(out, "bandwidth.png"), dpi=100)
     plt.close(fig)
+
+
+def replot(args) -> int:
+    """``--replot``: merge earlier bench.json reports into one table, DIR/bench.json and plots
+    (no GPU needed). The first report's environment and copy ceiling head the merged one."""
+    reports = []
+    for path in args.replot:
+        with open(path) as f:
+            reports.append(json.load(f))
+    merged = dict(reports[0], rows=[], gate=[], memory={}, skipped={}, sources=list(args.replot))
+    for r in reports:
+        for row in r["rows"]:
+            row.setdefault("accept", r["args"].get("accept") if row["draft"] else None)
+        merged["rows"] += r["rows"]
+        merged["gate"] += r.get("gate", [])
+        merged["memory"].update(r.get("memory", {}))
+        merged["skipped"].update(r.get("skipped", {}))
+    os.makedirs(args.output, exist_ok=True)
+    _save(merged, args.output)
+    print(format_report(merged))
+    plots(merged, args.output)
+    return 0
 
 
 def main(argv=None) -> int:
