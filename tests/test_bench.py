@@ -116,3 +116,24 @@ def test_launch_shape_keeps_nvfp4_programs_on_whole_scale_blocks():
         assert launch.launch_shape(cache, "mamba2")[0] == cache.row_block  # the override cannot split blocks
     finally:
         launch.TUNING.clear()
+
+
+def test_ptxas_report_compiles_the_step_kernels_for_sm90(tmp_path):
+    """benchmarks/ptxas_report.py records a step's launches on the CPU and compiles them for an
+    H100/H200; the default fp32 shapes must assemble without register spills."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real compile
+    env["PYTHONPATH"] = os.path.join(root, "src")
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "ptxas_report.py"), "--presets", "s32_rs"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines() if "_step_kernel" in line]
+    assert {r[0] for r in rows} == {"mamba2", "gdn"}
+    for arch, preset, shape, kernel, regs, spills, stack in rows:
+        assert 0 < int(regs) <= 255 and spills == "0/0", (arch, regs, spills)

@@ -56,6 +56,20 @@ def advance_kernel(slots_ptr, committed_ptr, pending_ptr, tokens_ptr, refreshes_
             tl.store(pending_ptr + slot, T)
 
 
+def _launch(kernel, grid, args, kwargs):
+    kernel[grid](*args, **kwargs)
+
+
+#: How ``run`` launches; ``benchmarks/ptxas_report.py`` swaps in a recorder to compile the
+#: kernels of a step for a GPU target on a machine without one.
+LAUNCHER = _launch
+
+
+def run(kernel, grid, *args, **kwargs):
+    """Launch ``kernel[grid](*args, **kwargs)``: every launch of a step goes through here."""
+    LAUNCHER(kernel, grid, args, kwargs)
+
+
 def advance(cache, slots, T: int, commit: bool, shared_fields: dict):
     """Launch ``advance_kernel``: write the shared buffer fields (name -> input [b, T, ...]) of
     the new tokens and move the cursors."""
@@ -65,7 +79,7 @@ def advance(cache, slots, T: int, commit: bool, shared_fields: dict):
         F = src[0, 0].numel()
         args += [src.contiguous(), cache.buffer[name]]
         consts += [F, triton.next_power_of_2(F)]
-    advance_kernel[(b,)](slots, cache.committed, cache.pending, cache.tokens, cache.refreshes, *args,
+    run(advance_kernel, (b,), slots, cache.committed, cache.pending, cache.tokens, cache.refreshes, *args,
                          cache.scratch_row, T, triton.next_power_of_2(T), cache.window, commit, *consts)
 
 

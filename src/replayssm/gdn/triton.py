@@ -140,9 +140,10 @@ def step(cache, slots, q, k, v, g, beta, commit: bool):
     LP = max(16, triton.next_power_of_2(cache.window))
     HK = cache.num_k_heads
     scores = torch.empty(b, HK, 2, T, LP, dtype=torch.float32, device=v.device)
-    _gdn_scores_kernel[(b, HK)](slots, cache.committed, buf["k"], k, q, scores, cache.scratch_row, HK,
-                                T=T, L=cache.window, LP=LP, DK=cache.head_k_dim)
-    _gdn_step_kernel[(V // bv, HV, b)](
+    launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, buf["k"], k, q, scores, cache.scratch_row, HK,
+               T=T, L=cache.window, LP=LP, DK=cache.head_k_dim)
+    launch.run(
+        _gdn_step_kernel, (V // bv, HV, b),
         slots, cache.committed, cache.tokens, cache.seeds, *anchor, *read,
         buf["k"], buf["v"], buf["g"], buf["beta"], buf["u"],
         q, k, v, g, beta, scores, o, cache.scratch_row, HV, HK,

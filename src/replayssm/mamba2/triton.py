@@ -140,10 +140,10 @@ def step(cache, slots, x, dt, log_alpha, B, C, D, z, commit: bool):
     buf = cache.buffer
     LP = max(16, triton.next_power_of_2(cache.window))
     scores = torch.empty(b, cache.ngroups, T, LP, dtype=torch.float32, device=x.device)
-    _mamba2_scores_kernel[(b, cache.ngroups)](slots, cache.committed, buf["B"], B, C, scores,
-                                              cache.scratch_row, cache.ngroups, T=T, L=cache.window,
-                                              LP=LP, DK=cache.dstate)
-    _mamba2_step_kernel[(P // bv, H, b)](
+    launch.run(_mamba2_scores_kernel, (b, cache.ngroups), slots, cache.committed, buf["B"], B, C, scores,
+               cache.scratch_row, cache.ngroups, T=T, L=cache.window, LP=LP, DK=cache.dstate)
+    launch.run(
+        _mamba2_step_kernel, (P // bv, H, b),
         slots, cache.committed, cache.tokens, cache.seeds, *anchor, *read,
         buf["x"], buf["dt"], buf["log_alpha"], buf["B"],
         x, dt, log_alpha, C, x if D is None else D, x if z is None else z, scores, y,

@@ -1,0 +1,112 @@
+"""Registers, spills and stack of every kernel of a ReplaySSM step, compiled for an H100/H200
+(sm_90a) on a machine without a GPU: the launches of one step on a CPU cache are recorded instead of
+run, compiled by Triton for the GPU target, and assembled by the ptxas that ships in triton's wheel.
+
+    PYTHONPATH=src python3 benchmarks/ptxas_report.py [--presets s32_rs,tp8_hi32] [--shapes 16x2,32x4]
+
+High register counts mean few programs per multiprocessor (65536 registers per SM); spills go to
+local memory. Neither is a timing: BENCHMARKS.md has the timings.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import replayssm as rs
+from replayssm._triton import launch
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float8_e4m3fn: "*fp8e4nv",
+         torch.uint8: "*u8", torch.int32: "*i32", torch.int64: "*i64"}
+# small versions of the real geometries: same head shapes, fewer heads and slots
+GEOMETRY = {"mamba2": dict(nheads=8, headdim=64, dstate=128, ngroups=2),
+            "gdn": dict(num_k_heads=2, num_v_heads=4, head_k_dim=128, head_v_dim=128)}
+
+
+def record_step(arch: str, preset: str, T: int = 1):
+    """The (kernel, args, kwargs) of one decode (T = 1) or verify step, recorded, not run."""
+    calls = []
+    launch.LAUNCHER = lambda kernel, grid, args, kwargs: calls.append((kernel, args, kwargs))
+    try:
+        g = torch.Generator().manual_seed(0)
+        r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+        b, slots = 2, torch.arange(2)
+        if arch == "mamba2":
+            c = rs.Mamba2Cache(2, window=16, max_draft=4, precision=preset, **GEOMETRY[arch])
+            H, P, N, G = c.nheads, c.dv, c.dk, c.ngroups
+            args = (r(b, T, H, P), r(b, T, H), -torch.rand(H), r(b, T, G, N), r(b, T, G, N), r(H), r(b, T, H, P),
+                    torch.zeros(H), True)
+            (rs.mamba2_verify if T > 1 else rs.mamba2_decode)(
+                c, slots, *(a[:, 0] if T == 1 and a.dim() > 1 else a for a in args[:-1]), args[-1], backend="triton")
+        else:
+            c = rs.GDNCache(2, window=16, max_draft=4, precision=preset, **GEOMETRY[arch])
+            HK, HV, K, V = c.num_k_heads, c.num_v_heads, c.head_k_dim, c.head_v_dim
+            args = (r(b, T, HK, K), r(b, T, HK, K), r(b, T, HV, V), -torch.rand(b, T, HV), torch.rand(b, T, HV))
+            (rs.gdn_verify if T > 1 else rs.gdn_decode)(
+                c, slots, *(a[:, 0] if T == 1 else a for a in args), use_qk_l2norm=True, backend="triton")
+    finally:
+        launch.LAUNCHER = launch._launch
+    return calls
+
+
+def assemble(kernel, args, kwargs) -> dict:
+    """Compile one recorded launch for sm_90a; ptxas's resource counts."""
+    names = kernel.arg_names
+    constexprs = {k: v for k, v in kwargs.items() if k in names}
+    signature = {}
+    for name, value in zip(names, list(args) + [None] * (len(names) - len(args))):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif isinstance(value, torch.Tensor):
+            signature[name] = TYPES[value.dtype]
+        else:
+            signature[name] = "i64" if abs(int(value)) >= 2**31 else "i32"
+    src = ASTSource(fn=kernel, signature=signature,
+                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": kwargs.get("num_warps", 4)})
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    log = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                         capture_output=True, text=True, check=True).stderr
+    os.unlink(f.name)
+    grab = lambda pattern: int(re.search(pattern, log).group(1))  # noqa: E731
+    return {"registers": grab(r"Used (\d+) registers"), "spill_stores": grab(r"(\d+) bytes spill stores"),
+            "spill_loads": grab(r"(\d+) bytes spill loads"), "stack": grab(r"(\d+) bytes stack frame")}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", default="mamba2,gdn")
+    ap.add_argument("--presets", default="s32_rs,tp16_hi32,tp8_hi32,tp4_hi16_sr,f4_sr_rs")
+    ap.add_argument("--shapes", default="default", help="default, or rows x warps, e.g. 16x2,32x4")
+    ap.add_argument("--draft", type=int, default=1, help="tokens per step (1 = decode)")
+    args = ap.parse_args(argv)
+    print(f"{'arch':7s} {'preset':12s} {'shape':8s} {'kernel':24s} {'regs':>4s} {'spill st/ld':>11s} {'stack':>5s}")
+    for arch in args.arch.split(","):
+        for preset in args.presets.split(","):
+            for shape in args.shapes.split(","):
+                launch.TUNING.clear()
+                if shape != "default":
+                    rows, warps = map(int, shape.split("x"))
+                    launch.TUNING.update(block_rows=rows, num_warps=warps)
+                for kernel, a, kw in record_step(arch, preset, args.draft):
+                    if "step" not in kernel.fn.__name__:
+                        continue
+                    res = assemble(kernel, a, kw)
+                    shown = f"{kw['BV']}x{kw['num_warps']}"
+                    print(f"{arch:7s} {preset:12s} {shown:8s} {kernel.fn.__name__:24s} {res['registers']:4d} "
+                          f"{res['spill_stores']:5d}/{res['spill_loads']:<5d} {res['stack']:5d}", flush=True)
+    launch.TUNING.clear()
+
+
+if __name__ == "__main__":
+    main()
