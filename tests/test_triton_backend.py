@@ -93,6 +93,50 @@ def test_triton_low_precision_agrees_with_torch_backend(arch, precision):
 
 
 @pytest.mark.parametrize("arch", ["mamba2", "gdn"])
+@pytest.mark.parametrize("precision", ["s32_rs", "tp4_hi16_sr"])
+def test_split_refresh_launch_matches_the_fused_kernel_bit_for_bit(arch, precision):
+    """The refresh in a launch of its own (launch.TUNING["split_refresh"]) computes the same
+    checkpoint and outputs as the fused step kernel, stochastic rounding included; the fused one
+    must differ once a refresh is skipped, so the comparison can fail."""
+    from replayssm._triton import launch
+
+    layer = TritonLayer(arch)
+    g = helpers.generator(11)
+    slots = torch.tensor([1, -1, 0])
+    state = torch.randn(3, *layer.state_shape, generator=g)
+    toks = [layer.tokens(g, 3, 1) for _ in range(7)]
+    runs = []
+    for split in (False, True):
+        cache = layer.cache(3, window=4, max_draft=2, precision=precision)
+        cache.load_state(slots, state)
+        launch.TUNING["split_refresh"] = split
+        try:
+            runs.append((torch.cat([layer.run(cache, slots, t, False) for t in toks]),
+                         cache.state_dict()))  # cloned tensors
+        finally:
+            launch.TUNING.clear()
+    (y0, sd0), (y1, sd1) = runs
+    assert torch.equal(y0, y1)
+    assert sd0.keys() == sd1.keys()
+    used = slots[slots >= 0]  # the other rows were never written (uninitialized or NaN-poisoned)
+    for k in sd0:
+        same = torch.equal(sd0[k][used], sd1[k][used]) if torch.is_tensor(sd0[k]) else sd0[k] == sd1[k]
+        assert same, k
+    # teeth: the split run really launched the refresh kernel and a step kernel without refresh code
+    names = []
+    launch.TUNING["split_refresh"] = True
+    launch.LAUNCHER = lambda kernel, grid, args, kw: names.append((kernel.fn.__name__, kw.get("FUSED_REFRESH")))
+    try:
+        cache = layer.cache(3, window=4, max_draft=2, precision=precision)
+        cache.load_state(slots, state)
+        layer.run(cache, slots, toks[0], False)
+    finally:
+        launch.TUNING.clear()
+        launch.LAUNCHER = launch._launch
+    assert (f"_{arch}_refresh_kernel", None) in names and (f"_{arch}_step_kernel", False) in names
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
 def test_triton_read_precision_leaves_anchor_bit_identical(arch):
     """Changing only the read format (fp32 anchor) changes outputs, never the anchor bits."""
     layer = TritonLayer(arch)
@@ -119,3 +163,26 @@ def test_triton_rejects_geometry_it_cannot_tile():
         rs.mamba2_decode(cache, torch.tensor([0]), torch.randn(1, 2, 8), torch.rand(1, 2), -torch.rand(2),
                          torch.randn(1, 1, 16), torch.randn(1, 1, 16), backend="triton")
     assert helpers.snapshot_diff(before, helpers.snapshot(cache)) == []
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_gdn_input_preparation_in_kernel_matches_torch(normalize):
+    """The Triton GDN step prepares q, k (L2 norm, scale), g and beta inside its first launch;
+    with bf16 inputs and either normalization it agrees with the PyTorch backend's preparation."""
+    g = helpers.generator(21)
+    HK, HV, K, V, b = 2, 4, 32, 16, 3
+    caches = [rs.GDNCache(4, HK, HV, K, V, window=4, max_draft=2) for _ in range(2)]
+    slots = torch.tensor([3, -1, 0])
+    state = torch.randn(b, HV, V, K, generator=g) * 0.1
+    for c in caches:
+        c.load_state(slots, state)
+    for step in range(6):
+        q, k = (torch.randn(b, HK, K, generator=g) * (1 if normalize else K ** -0.5) for _ in range(2))
+        v = torch.randn(b, HV, V, generator=g)
+        gg, beta = -torch.rand(b, HV, generator=g), torch.rand(b, HV, generator=g)
+        args = [t.to(torch.bfloat16) for t in (q, k, v, gg, beta)]
+        outs = [rs.gdn_decode(c, slots, *args, scale=0.3, use_qk_l2norm=normalize, backend=be)
+                for c, be in zip(caches, ("torch", "triton"))]
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(caches[1].materialize(slots[slots >= 0]), caches[0].materialize(slots[slots >= 0]),
+                               rtol=1e-5, atol=1e-6)

@@ -111,7 +111,7 @@ def check_geometry(cache):
 
 
 #: Launch-shape overrides, for benchmark sweeps: {"block_rows": int, "num_warps": int,
-#: "refresh_dot": bool}.
+#: "refresh_dot": bool, "split_refresh": bool}.
 TUNING: dict = {}
 
 #: (rows of a head per program, warps per program, Mamba-2 refresh on tensor cores) by
@@ -135,3 +135,11 @@ def launch_shape(cache, arch: str) -> tuple[int, int, bool]:
     if "nvfp4" in fmts or rows < 16 or rows > cache.dv or cache.dv % rows:
         rows = cache.row_block
     return rows, TUNING.get("num_warps", warps), TUNING.get("refresh_dot", dot)
+
+
+def split_refresh() -> bool:
+    """Refresh in a launch of its own before the step kernel (not measured on a GPU yet, so off
+    by default): the step kernel then carries no refresh code and needs far fewer registers
+    (benchmarks/ptxas_report.py), at the price of one launch and of re-reading the read copy of
+    the refreshed rows."""
+    return TUNING.get("split_refresh", False)

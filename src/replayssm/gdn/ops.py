@@ -40,12 +40,12 @@ def _check(cache, slots, q, k, v, g, beta, scale, draft: bool):
 def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend):
     if scale is None:
         scale = cache.head_k_dim ** -0.5
+    if pick_backend(cache, backend) == "triton":  # prepares q, k, g, beta inside its kernels
+        from . import triton as kernels
+        return kernels.step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit)
     q, k = (l2norm(q), l2norm(k)) if use_qk_l2norm else (q.float(), k.float())
     q = q * scale
     g, beta = g.float(), beta.float()
-    if pick_backend(cache, backend) == "triton":
-        from . import triton as kernels
-        return kernels.step(cache, slots, q, k, v, g, beta, commit)
     entries = {"k": k, "v": v, "g": g, "beta": beta}
     return torch_step(cache, slots, q.shape[1], entries,
                       lambda state, buf, h: replay.outputs(state, buf, h, q), commit)

@@ -30,23 +30,81 @@ from .._triton.formats import load_query, load_read, load_tile, matvec, write_ch
 
 
 @triton.jit
-def _gdn_scores_kernel(slots_ptr, committed_ptr, bk_ptr, k_ptr, q_ptr, scores_ptr, SCRATCH, HK,
-                       T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr):
-    """scores[b, kh, 0, s, j] = k_j . q_s and scores[b, kh, 1, s, j] = k_j . k_s over the entries
-    of the window (committed + new), once per (batch row, key head)."""
+def _gdn_scores_kernel(slots_ptr, committed_ptr, bk_ptr, k_ptr, q_ptr, kn_ptr, qn_ptr, scores_ptr, scale,
+                       SCRATCH, HK, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr,
+                       NORM: tl.constexpr):
+    """Once per (batch row, key head): the T new keys and queries prepared in fp32 (L2-normalized
+    when NORM, as flash-linear-attention's l2norm, queries times ``scale``) into kn, qn [b, T, HK, K]
+    for the other launches; then scores[b, kh, 0, s, j] = k_j . q_s and scores[b, kh, 1, s, j] =
+    k_j . k_s over the entries of the window (committed + new)."""
     pid_b, khead = tl.program_id(0), tl.program_id(1)
+    ck = tl.arange(0, DK)
+    for s in tl.static_range(T):
+        at = ((pid_b * T + s) * HK + khead) * DK + ck
+        k = tl.load(k_ptr + at).to(tl.float32)
+        q = tl.load(q_ptr + at).to(tl.float32)
+        if NORM:
+            k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+            q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
+        tl.store(kn_ptr + at, k)
+        tl.store(qn_ptr + at, q * scale)
+    tl.debug_barrier()  # the rows just written are read back by other threads of the program
     _, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
     h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
     j = tl.arange(0, LP)
-    ck = tl.arange(0, DK)
-    K = window_rows(bk_ptr, k_ptr, row, pid_b, h, khead, HK, ck, DK, T, L, LP)
+    K = window_rows(bk_ptr, kn_ptr, row, pid_b, h, khead, HK, ck, DK, T, L, LP)
     for s in tl.static_range(T):
         tok = pid_b * T + s
-        q = tl.load(q_ptr + (tok * HK + khead) * DK + ck).to(tl.float32)
-        k = tl.load(k_ptr + (tok * HK + khead) * DK + ck).to(bk_ptr.dtype.element_ty).to(tl.float32)
+        q = tl.load(qn_ptr + (tok * HK + khead) * DK + ck)
+        k = tl.load(kn_ptr + (tok * HK + khead) * DK + ck).to(bk_ptr.dtype.element_ty).to(tl.float32)
         base = ((pid_b * HK + khead) * 2 * T + s) * LP
         tl.store(scores_ptr + base + j, tl.sum(K * q[None, :], 1))
         tl.store(scores_ptr + base + T * LP + j, tl.sum(K * k[None, :], 1))
+
+
+@triton.jit
+def _fold(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, khead, h, rv, HV, HK, L: tl.constexpr,
+          DV: tl.constexpr, DK: tl.constexpr):
+    """The new checkpoint's unrounded rows ``rv`` [BV, DK] from anchor rows S: the conventional
+    recurrence over the h committed tokens (S = alpha S; u = beta (v - S k); S += u k^T), which
+    re-solves their residuals from the anchor. Unrolled so that every token's buffer loads are
+    independent of S. (A triangular solve with tensor-core products instead measured 2-3x
+    slower: BENCHMARKS.md, launch-shape sweeps.)"""
+    ck = tl.arange(0, DK)
+    for jj in tl.static_range(L):
+        tok_j = row * L + jj
+        m = jj < h
+        kr = tl.load(bk_ptr + (tok_j * HK + khead) * DK + ck, mask=m & (ck < DK), other=0.0).to(tl.float32)
+        vr = tl.load(bv_ptr + (tok_j * HV + head) * DV + rv, mask=m & (rv < DV), other=0.0).to(tl.float32)
+        S = S * tl.exp(tl.load(bg_ptr + tok_j * HV + head, mask=m, other=0.0))
+        u = tl.load(bbeta_ptr + tok_j * HV + head, mask=m, other=0.0) * (vr - tl.sum(S * kr[None, :], 1))
+        S += u[:, None] * kr[None, :]
+    return S
+
+
+@triton.jit
+def _gdn_refresh_kernel(
+        slots_ptr, committed_ptr, tokens_ptr, seeds_ptr,
+        av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
+        bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, SCRATCH, HV, HK,
+        T: tl.constexpr, L: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+        A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
+        SHARED: tl.constexpr):
+    """The refresh alone (the step kernel then runs with FUSED_REFRESH=False): programs of slots
+    that do not refresh this step exit after two loads."""
+    pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
+    h, need = cursor(committed_ptr, valid, row, T, L)
+    if need:
+        mat = row * HV + head
+        gidx = mat * (DV // BV) + pid_v
+        rv = pid_v * BV + tl.arange(0, BV)
+        ck = tl.arange(0, DK)
+        S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
+        S = _fold(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, head // (HV // HK), h, rv, HV, HK, L, DV, DK)
+        write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
+                         tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT, A_SR, R_FMT, R_SR,
+                         SHARED)
 
 
 @triton.jit
@@ -59,7 +117,7 @@ def _gdn_step_kernel(
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
-        SHARED: tl.constexpr):
+        SHARED: tl.constexpr, FUSED_REFRESH: tl.constexpr):
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
@@ -75,25 +133,16 @@ def _gdn_step_kernel(
     ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
     h, need = cursor(committed_ptr, valid, row, T, L)
 
-    if need:  # refresh: re-solve the committed residuals from the anchor, token by token
-        if SHARED and R_FMT <= 2:
-            S = ra  # already holds the anchor's rows in fp32
-        else:
-            S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
-        # the conventional recurrence over the committed tokens (none past h), unrolled so that
-        # every token's buffer loads are independent of S. (A triangular solve with tensor-core
-        # products instead measured 2-3x slower: BENCHMARKS.md, launch-shape sweep.)
-        for jj in tl.static_range(L):
-            tok_j = row * L + jj
-            m = jj < h
-            kr = tl.load(bk_ptr + (tok_j * HK + khead) * DK + ck, mask=m & (ck < DK), other=0.0).to(tl.float32)
-            vr = tl.load(bv_ptr + (tok_j * HV + head) * DV + rv, mask=m & (rv < DV), other=0.0).to(tl.float32)
-            S = S * tl.exp(tl.load(bg_ptr + tok_j * HV + head, mask=m, other=0.0))
-            u = tl.load(bbeta_ptr + tok_j * HV + head, mask=m, other=0.0) * (vr - tl.sum(S * kr[None, :], 1))
-            S += u[:, None] * kr[None, :]
-        ra, rb, rsc = write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
-                                       tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT, A_SR,
-                                       R_FMT, R_SR, SHARED)
+    if FUSED_REFRESH:
+        if need:  # refresh: re-solve the committed residuals from the anchor, token by token
+            if SHARED and R_FMT <= 2:
+                S = ra  # already holds the anchor's rows in fp32
+            else:
+                S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
+            S = _fold(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, khead, h, rv, HV, HK, L, DV, DK)
+            ra, rb, rsc = write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv,
+                                           ck, tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT,
+                                           A_SR, R_FMT, R_SR, SHARED)
     h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
 
     old = j < h
@@ -124,11 +173,12 @@ def _gdn_step_kernel(
         tl.store(bu_ptr + (tok_buf * HV + head) * DV + rv, u_s)
 
 
-def step(cache, slots, q, k, v, g, beta, commit: bool):
+def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: bool):
     """One GDN decode (T = 1) or verify step on the Triton backend.
 
-    q (normalized, scaled), k (normalized) fp32 [b, T, HK, K]; v [b, T, HV, V];
-    g, beta fp32 [b, T, HV]. Returns o fp32 [b, T, HV, V] (pads zero).
+    q, k [b, T, HK, K] as given to the public call (L2-normalized here when ``normalize``; q
+    times ``scale``); v [b, T, HV, V]; g, beta [b, T, HV]; any float dtypes. Returns o fp32
+    [b, T, HV, V] (pads zero). The input preparation happens inside the first launch.
     """
     launch.check_geometry(cache)
     b, T, HV, V = v.shape
@@ -136,19 +186,28 @@ def step(cache, slots, q, k, v, g, beta, commit: bool):
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     o = torch.empty(b, T, HV, V, dtype=torch.float32, device=v.device)
     bv, warps, _ = launch.launch_shape(cache, "gdn")
+    split = launch.split_refresh()
     buf = cache.buffer
     LP = max(16, triton.next_power_of_2(cache.window))
     HK = cache.num_k_heads
     scores = torch.empty(b, HK, 2, T, LP, dtype=torch.float32, device=v.device)
-    launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, buf["k"], k, q, scores, cache.scratch_row, HK,
-               T=T, L=cache.window, LP=LP, DK=cache.head_k_dim)
+    kn = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    qn = torch.empty_like(kn)
+    launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, buf["k"], k, q, kn, qn, scores, float(scale),
+               cache.scratch_row, HK, T=T, L=cache.window, LP=LP, DK=cache.head_k_dim, NORM=normalize)
+    q, k = qn, kn
+    grid = (V // bv, HV, b)
+    if split:
+        launch.run(_gdn_refresh_kernel, grid, slots, cache.committed, cache.tokens, cache.seeds, *anchor, *read,
+                   buf["k"], buf["v"], buf["g"], buf["beta"], cache.scratch_row, HV, HK,
+                   T=T, L=cache.window, DV=V, DK=cache.head_k_dim, BV=bv, num_warps=warps, **consts)
     launch.run(
-        _gdn_step_kernel, (V // bv, HV, b),
+        _gdn_step_kernel, grid,
         slots, cache.committed, cache.tokens, cache.seeds, *anchor, *read,
         buf["k"], buf["v"], buf["g"], buf["beta"], buf["u"],
         q, k, v, g, beta, scores, o, cache.scratch_row, HV, HK,
         T=T, L=cache.window, LP=LP, DV=V,
-        DK=cache.head_k_dim, BV=bv,
+        DK=cache.head_k_dim, BV=bv, FUSED_REFRESH=not split,
         num_warps=warps, **consts)
     launch.advance(cache, slots, T, commit, {"k": k, "g": g, "beta": beta})
     return o

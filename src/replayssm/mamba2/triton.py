@@ -44,6 +44,61 @@ def _mamba2_scores_kernel(slots_ptr, committed_ptr, bB_ptr, B_ptr, C_ptr, scores
 
 
 @triton.jit
+def _fold(S, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, row, head, group, h, rv, H, G, L: tl.constexpr,
+          LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DOT: tl.constexpr):
+    """The new checkpoint's unrounded rows ``rv`` [BV, DK]: gamma_h S + sum_{j<h} w_j x_j B_j^T
+    from anchor rows S and the h committed buffer entries (w_j = gamma_{j+1:h} dt_j)."""
+    j = tl.arange(0, LP)
+    ck = tl.arange(0, DK)
+    buf_tok = row * L + j
+    la_c = tl.load(bla_ptr + buf_tok * H + head, mask=j < h, other=0.0)
+    w_all = tl.exp(suffix_sums(la_c, h))  # decay from each entry to the end of the history
+    S = S * tl.exp(tl.sum(la_c, 0))
+    if DOT:  # one [BV, LP] x [LP, DK] tensor-core product (3-pass tf32)
+        old = j < h
+        w = w_all * tl.load(bdt_ptr + buf_tok * H + head, mask=old, other=0.0)
+        X_c = tl.load(bx_ptr + (buf_tok[:, None] * H + head) * DV + rv[None, :], mask=old[:, None], other=0.0)
+        B_c = tl.load(bB_ptr + (buf_tok[:, None] * G + group) * DK + ck[None, :], mask=old[:, None], other=0.0)
+        S += tl.dot(tl.trans(X_c.to(tl.float32) * w[:, None]), B_c.to(tl.float32), input_precision="tf32x3")
+    else:  # one rank-1 update per committed token (w = 0 past h); unrolled, loads issue up front
+        for jj in tl.static_range(L):
+            tok_j = row * L + jj
+            m = jj < h
+            w = tl.sum(tl.where(j == jj, w_all, 0.0), 0) * tl.load(bdt_ptr + tok_j * H + head, mask=m, other=0.0)
+            xr = tl.load(bx_ptr + (tok_j * H + head) * DV + rv, mask=m & (rv < DV), other=0.0).to(tl.float32)
+            kr = tl.load(bB_ptr + (tok_j * G + group) * DK + ck, mask=m & (ck < DK), other=0.0).to(tl.float32)
+            S += (xr * w)[:, None] * kr[None, :]
+    return S
+
+
+@triton.jit
+def _mamba2_refresh_kernel(
+        slots_ptr, committed_ptr, tokens_ptr, seeds_ptr,
+        av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
+        bx_ptr, bdt_ptr, bla_ptr, bB_ptr, SCRATCH, H, G,
+        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
+        DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+        A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
+        SHARED: tl.constexpr, REFRESH_DOT: tl.constexpr):
+    """The refresh alone (the step kernel then runs with FUSED_REFRESH=False): programs of slots
+    that do not refresh this step exit after two loads."""
+    pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
+    h, need = cursor(committed_ptr, valid, row, T, L)
+    if need:
+        mat = row * H + head
+        gidx = mat * (DV // BV) + pid_v
+        rv = pid_v * BV + tl.arange(0, BV)
+        ck = tl.arange(0, DK)
+        S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
+        S = _fold(S, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, row, head, head // (H // G), h, rv, H, G, L, LP, DV, DK,
+                  REFRESH_DOT)
+        write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
+                         tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT, A_SR, R_FMT, R_SR,
+                         SHARED)
+
+
+@triton.jit
 def _mamba2_step_kernel(
         slots_ptr, committed_ptr, tokens_ptr, seeds_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
@@ -53,7 +108,8 @@ def _mamba2_step_kernel(
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
-        SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, REFRESH_DOT: tl.constexpr):
+        SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, REFRESH_DOT: tl.constexpr,
+        FUSED_REFRESH: tl.constexpr):
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
@@ -69,31 +125,16 @@ def _mamba2_step_kernel(
     ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
     h, need = cursor(committed_ptr, valid, row, T, L)
 
-    if need:  # refresh: fold the h committed entries into a new checkpoint, from the anchor
-        la_c = tl.load(bla_ptr + buf_tok * H + head, mask=j < h, other=0.0)
-        w_all = tl.exp(suffix_sums(la_c, h))  # decay from each entry to the end of the history
-        if SHARED and R_FMT <= 2:
-            S = ra  # already holds the anchor's rows in fp32
-        else:
-            S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
-        S = S * tl.exp(tl.sum(la_c, 0))
-        if REFRESH_DOT:  # S += sum_j w_j x_j B_j^T as one [BV, LP] x [LP, DK] tensor-core product
-            old = j < h
-            w = w_all * tl.load(bdt_ptr + buf_tok * H + head, mask=old, other=0.0)
-            X_c = tl.load(bx_ptr + (buf_tok[:, None] * H + head) * DV + rv[None, :], mask=old[:, None], other=0.0)
-            B_c = tl.load(bB_ptr + (buf_tok[:, None] * G + group) * DK + ck[None, :], mask=old[:, None], other=0.0)
-            S += tl.dot(tl.trans(X_c.to(tl.float32) * w[:, None]), B_c.to(tl.float32), input_precision="tf32x3")
-        else:  # one rank-1 update per committed token (w = 0 past h); unrolled, loads issue up front
-            for jj in tl.static_range(L):
-                tok_j = row * L + jj
-                m = jj < h
-                w = tl.sum(tl.where(j == jj, w_all, 0.0), 0) * tl.load(bdt_ptr + tok_j * H + head, mask=m, other=0.0)
-                xr = tl.load(bx_ptr + (tok_j * H + head) * DV + rv, mask=m & (rv < DV), other=0.0).to(tl.float32)
-                kr = tl.load(bB_ptr + (tok_j * G + group) * DK + ck, mask=m & (ck < DK), other=0.0).to(tl.float32)
-                S += (xr * w)[:, None] * kr[None, :]
-        ra, rb, rsc = write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
-                                       tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT, A_SR,
-                                       R_FMT, R_SR, SHARED)
+    if FUSED_REFRESH:
+        if need:  # refresh: fold the h committed entries into a new checkpoint, from the anchor
+            if SHARED and R_FMT <= 2:
+                S = ra  # already holds the anchor's rows in fp32
+            else:
+                S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
+            S = _fold(S, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, row, head, group, h, rv, H, G, L, LP, DV, DK, REFRESH_DOT)
+            ra, rb, rsc = write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv,
+                                           ck, tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT,
+                                           A_SR, R_FMT, R_SR, SHARED)
     h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
 
     # the window's entries: committed ones from the buffer, the T new ones from the inputs
@@ -137,20 +178,27 @@ def step(cache, slots, x, dt, log_alpha, B, C, D, z, commit: bool):
     z = None if z is None else z.contiguous()
     y = torch.empty(b, T, H, P, dtype=torch.float32, device=x.device)
     bv, warps, refresh_dot = launch.launch_shape(cache, "mamba2")
+    split = launch.split_refresh()
     buf = cache.buffer
     LP = max(16, triton.next_power_of_2(cache.window))
     scores = torch.empty(b, cache.ngroups, T, LP, dtype=torch.float32, device=x.device)
     launch.run(_mamba2_scores_kernel, (b, cache.ngroups), slots, cache.committed, buf["B"], B, C, scores,
                cache.scratch_row, cache.ngroups, T=T, L=cache.window, LP=LP, DK=cache.dstate)
+    grid = (P // bv, H, b)
+    if split:
+        launch.run(_mamba2_refresh_kernel, grid, slots, cache.committed, cache.tokens, cache.seeds, *anchor, *read,
+                   buf["x"], buf["dt"], buf["log_alpha"], buf["B"], cache.scratch_row, H, cache.ngroups,
+                   T=T, L=cache.window, LP=LP, DV=P, DK=cache.dstate, BV=bv, REFRESH_DOT=refresh_dot,
+                   num_warps=warps, **consts)
     launch.run(
-        _mamba2_step_kernel, (P // bv, H, b),
+        _mamba2_step_kernel, grid,
         slots, cache.committed, cache.tokens, cache.seeds, *anchor, *read,
         buf["x"], buf["dt"], buf["log_alpha"], buf["B"],
         x, dt, log_alpha, C, x if D is None else D, x if z is None else z, scores, y,
         cache.scratch_row, H, cache.ngroups,
         T=T, L=cache.window, LP=LP, DV=P,
         DK=cache.dstate, BV=bv, HAS_D=D is not None, HAS_Z=z is not None,
-        REFRESH_DOT=refresh_dot,
+        REFRESH_DOT=refresh_dot, FUSED_REFRESH=not split,
         num_warps=warps,
         **consts)
     launch.advance(cache, slots, T, commit, {"dt": dt, "log_alpha": log_alpha, "B": B})
