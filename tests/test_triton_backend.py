@@ -186,3 +186,31 @@ def test_gdn_input_preparation_in_kernel_matches_torch(normalize):
         torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(caches[1].materialize(slots[slots >= 0]), caches[0].materialize(slots[slots >= 0]),
                                rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("softplus", [True, False])
+def test_mamba2_input_preparation_in_kernel_matches_torch(softplus):
+    """The Triton Mamba-2 step computes softplus(dt + dt_bias) and A * dt inside its first launch
+    (3 heads per group: a padded head vector); bf16 inputs agree with the PyTorch backend."""
+    g = helpers.generator(22)
+    H, P, N, G, b = 6, 16, 32, 2, 3
+    caches = [rs.Mamba2Cache(4, H, P, N, ngroups=G, window=4, max_draft=2) for _ in range(2)]
+    slots = torch.tensor([3, -1, 0])
+    state = torch.randn(b, H, P, N, generator=g) * 0.1
+    for c in caches:
+        c.load_state(slots, state)
+    A = -torch.rand(H, generator=g) - 0.2
+    bias = torch.randn(H, generator=g) if softplus else None
+    for step in range(6):
+        x = torch.randn(b, H, P, generator=g)
+        dt = torch.randn(b, H, generator=g) * 4 if softplus else torch.rand(b, H, generator=g) * 0.3
+        Bm, Cm = torch.randn(b, G, N, generator=g), torch.randn(b, G, N, generator=g)
+        args = [t.to(torch.bfloat16) for t in (x, dt)] + [A] + [t.to(torch.bfloat16) for t in (Bm, Cm)]
+        outs = [rs.mamba2_decode(c, slots, *args, dt_bias=bias, dt_softplus=softplus, backend=be)
+                for c, be in zip(caches, ("torch", "triton"))]
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    used = slots[slots >= 0]
+    torch.testing.assert_close(caches[1].materialize(used), caches[0].materialize(used), rtol=1e-5, atol=1e-6)
+    # the buffered step sizes and log decays themselves, to ~2 ulp of torch's fp32 softplus (log1p)
+    for name in ("dt", "log_alpha"):
+        torch.testing.assert_close(caches[1].buffer[name][used], caches[0].buffer[name][used], rtol=3e-7, atol=0)

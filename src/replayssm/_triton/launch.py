@@ -1,15 +1,18 @@
 """Launch plumbing shared by the Mamba-2 and GDN kernels.
 
-A step is two launches with no host synchronization in between:
+A step is a fixed sequence of launches with no host synchronization in between:
 
-1. the architecture's step kernel, one program per (batch row, head, block of state rows):
-   refresh if due (fold from the anchor, write anchor and read copy), outputs, and the new tokens'
-   per-row buffer fields (x rows for Mamba-2; v and u rows for GDN);
-2. ``advance_kernel``, one program per batch row: the new tokens' *shared* buffer fields (read by
-   several programs of launch 1: B or k per group, dt/log decay/beta per head) and the cursors.
+1. the architecture's scores kernel, one program per (batch row, group or key head): the input
+   preparation and the dot products of the window's keys with the new queries;
+2. (only with ``TUNING["split_refresh"]``) the refresh kernel: fold, write anchor and read copy;
+3. the step kernel, one program per (block of state rows, head, batch row): refresh if due and
+   not split, outputs, and the new tokens' per-row buffer fields (x rows for Mamba-2; v and u
+   rows for GDN);
+4. ``advance_kernel``, one program per batch row: the new tokens' *shared* buffer fields (read by
+   several programs of launch 3: B or k per group, dt/log decay/beta per head) and the cursors.
 
-Launch 2 must follow launch 1 because a refreshing slot writes its new tokens at positions 0..T-1,
-which other programs of launch 1 are still folding.
+Launch 4 must follow launch 3 because a refreshing slot writes its new tokens at positions 0..T-1,
+which other programs of launch 3 are still folding. Every launch goes through ``run``.
 """
 from __future__ import annotations
 

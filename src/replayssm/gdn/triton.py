@@ -1,9 +1,12 @@
 """Gated DeltaNet ReplaySSM Triton kernels: fused refresh + output-only decode/verify.
 
-A step is three launches, no host synchronization: ``_gdn_scores_kernel`` (k_j . q_s and
+A step is three launches, no host synchronization and no PyTorch work between them:
+``_gdn_scores_kernel`` (the input preparation — L2 norms, query scale, fp32 casts — and k_j . q_s,
 k_j . k_s over the window, once per batch row and key head), ``_gdn_step_kernel`` (one program
-per batch row, value head and 32-row block; GDN's residuals are separable over state rows), and
-``launch.advance`` (shared buffer fields k, g, beta and the cursors).
+per block of state rows, value head and batch row; GDN's residuals are separable over state
+rows), and ``launch.advance`` (shared buffer fields k, g, beta and the cursors); with
+``launch.TUNING["split_refresh"]`` a fourth, ``_gdn_refresh_kernel``, takes the refresh out of
+the step kernel.
 
 At a refresh the program re-solves the committed residuals from the *anchor* by running the
 conventional recurrence over the h buffered tokens in registers (S = alpha S; u = beta (v - S k);

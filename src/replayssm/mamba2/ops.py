@@ -35,15 +35,15 @@ def _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft: bool):
 
 
 def _step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, commit, backend):
+    if pick_backend(cache, backend) == "triton":  # prepares dt and the log decay inside its kernels
+        from . import triton as kernels
+        return kernels.step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, commit)
     dt = dt.float()
     if dt_bias is not None:
         dt = dt + dt_bias.float()
     if dt_softplus:
         dt = F.softplus(dt)
     log_alpha = A.float() * dt
-    if pick_backend(cache, backend) == "triton":
-        from . import triton as kernels
-        return kernels.step(cache, slots, x, dt, log_alpha, B, C, D, z, commit)
     entries = {"x": x, "dt": dt, "log_alpha": log_alpha, "B": B}
     return torch_step(cache, slots, x.shape[1], entries,
                       lambda state, buf, h: (replay.outputs(state, buf, h, C, D, z, x), None), commit)

@@ -1,13 +1,16 @@
 """Mamba-2 ReplaySSM Triton kernels: fused refresh + output-only decode/verify.
 
-A step is three launches, no host synchronization: ``_mamba2_scores_kernel`` (B_j . C_s for the
-window, once per batch row and group), ``_mamba2_step_kernel`` (one program per batch row, head
-and 32-row block of the state), and ``launch.advance`` (shared buffer fields and cursors).
+A step is three launches, no host synchronization and no PyTorch work between them:
+``_mamba2_scores_kernel`` (the input preparation dt = softplus(dt + dt_bias), A dt, and B_j . C_s
+for the window, once per batch row and group), ``_mamba2_step_kernel`` (one program per block of
+state rows, head and batch row), and ``launch.advance`` (shared buffer fields and cursors); with
+``launch.TUNING["split_refresh"]`` a fourth, ``_mamba2_refresh_kernel``, takes the refresh out
+of the step kernel.
 
-If the slot's committed history plus the T new tokens overflows the window, the step program
-first folds the committed entries into the anchor (S = gamma_h S_anchor + sum_j w_j x_j B_j^T,
-one rank-1 update per token), casts S independently into anchor and read copy, and stores both;
-the anchor is read nowhere else. Then, from the read copy in its own format,
+If the slot's committed history plus the T new tokens overflows the window, the program first
+folds the committed entries into the anchor (S = gamma_h S_anchor + sum_j w_j x_j B_j^T, one
+tensor-core product, or one rank-1 update per token), casts S independently into anchor and read
+copy, and stores both; the anchor is read nowhere else. Then, from the read copy in its own format,
 
     y_s = gamma_t (S_read C_s) + sum_{j <= t} gamma_{j+1:t} dt_j (B_j . C_s) x_j,   t = h + s
 
@@ -28,11 +31,29 @@ from .._triton.formats import load_query, load_read, load_tile, matvec, write_ch
 
 
 @triton.jit
-def _mamba2_scores_kernel(slots_ptr, committed_ptr, bB_ptr, B_ptr, C_ptr, scores_ptr, SCRATCH, G,
-                          T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr):
-    """scores[b, g, s, j] = B_j . C_s over the entries a query sees (committed + new), once per
-    (batch row, group), so the per-row programs of the step kernel never load the B tile."""
+def _mamba2_scores_kernel(slots_ptr, committed_ptr, bB_ptr, B_ptr, C_ptr, scores_ptr,
+                          dt_ptr, bias_ptr, A_ptr, dtn_ptr, la_ptr, SCRATCH, H, G,
+                          T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr,
+                          HG: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
+    """Once per (batch row, group): the T new tokens' step sizes of the group's heads prepared in
+    fp32 into dtn = softplus(dt + dt_bias) and la = A * dtn [b, T, H] for the other launches; then
+    scores[b, g, s, j] = B_j . C_s over the entries a query sees (committed + new), so the
+    per-row programs of the step kernel never load the B tile."""
     pid_b, group = tl.program_id(0), tl.program_id(1)
+    heads = group * (H // G) + tl.arange(0, HG)
+    mine = tl.arange(0, HG) < H // G
+    A = tl.load(A_ptr + heads, mask=mine, other=0.0).to(tl.float32)
+    for s in tl.static_range(T):
+        at = (pid_b * T + s) * H + heads
+        d = tl.load(dt_ptr + at, mask=mine, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            d += tl.load(bias_ptr + heads, mask=mine, other=0.0).to(tl.float32)
+        if SOFTPLUS:  # torch's softplus (threshold 20), with log1p(e) by Kahan's correction
+            e = tl.exp(tl.minimum(d, 20.0))
+            u = 1.0 + e
+            d = tl.where(d > 20.0, d, tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0))))
+        tl.store(dtn_ptr + at, d, mask=mine)
+        tl.store(la_ptr + at, A * d, mask=mine)
     _, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
     h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
     j = tl.arange(0, LP)
@@ -165,16 +186,17 @@ def _mamba2_step_kernel(
              mask=new[:, None])
 
 
-def step(cache, slots, x, dt, log_alpha, B, C, D, z, commit: bool):
+def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit: bool):
     """One Mamba-2 decode (T = 1) or verify step on the Triton backend.
 
-    x [b, T, H, P]; dt, log_alpha fp32 [b, T, H]; B, C [b, T, G, N]; D [H]; z [b, T, H, P].
-    Returns y fp32 [b, T, H, P] (pads zero).
+    x [b, T, H, P]; dt [b, T, H] raw (dt_bias [H] added and softplus applied here when given);
+    A [H]; B, C [b, T, G, N]; D [H]; z [b, T, H, P]; any float dtypes. Returns y fp32
+    [b, T, H, P] (pads zero). The input preparation happens inside the first launch.
     """
     launch.check_geometry(cache)
     b, T, H, P = x.shape
     anchor, read, consts = launch.format_args(cache)
-    x, dt, log_alpha, B, C = (t.contiguous() for t in (x, dt, log_alpha, B, C))
+    x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
     z = None if z is None else z.contiguous()
     y = torch.empty(b, T, H, P, dtype=torch.float32, device=x.device)
     bv, warps, refresh_dot = launch.launch_shape(cache, "mamba2")
@@ -182,8 +204,13 @@ def step(cache, slots, x, dt, log_alpha, B, C, D, z, commit: bool):
     buf = cache.buffer
     LP = max(16, triton.next_power_of_2(cache.window))
     scores = torch.empty(b, cache.ngroups, T, LP, dtype=torch.float32, device=x.device)
-    launch.run(_mamba2_scores_kernel, (b, cache.ngroups), slots, cache.committed, buf["B"], B, C, scores,
-               cache.scratch_row, cache.ngroups, T=T, L=cache.window, LP=LP, DK=cache.dstate)
+    G = cache.ngroups
+    dt_in, dt = dt, torch.empty(b, T, H, dtype=torch.float32, device=x.device)
+    log_alpha = torch.empty_like(dt)
+    launch.run(_mamba2_scores_kernel, (b, G), slots, cache.committed, buf["B"], B, C, scores,
+               dt_in, dt_in if dt_bias is None else dt_bias.contiguous(), A, dt, log_alpha, cache.scratch_row, H, G,
+               T=T, L=cache.window, LP=LP, DK=cache.dstate, HG=triton.next_power_of_2(H // G),
+               HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus))
     grid = (P // bv, H, b)
     if split:
         launch.run(_mamba2_refresh_kernel, grid, slots, cache.committed, cache.tokens, cache.seeds, *anchor, *read,
