@@ -3,7 +3,8 @@ conventional baselines, at batch 256 with real geometries (staggered windows, CU
 Checks the kernels against float64 first. Prints one line per configuration and writes
 $OUT/sweep.json. Used to pick the defaults in ``_triton/launch.py`` and ``bench/conventional.py``.
 
-    PYTHONPATH=src python3 benchmarks/sweep_shapes.py [--presets s32_rs,tp8_hi32] [--skip-check]
+    PYTHONPATH=src python3 benchmarks/sweep_shapes.py [--presets s32_rs,tp8_hi32] [--skip-check] \
+        [--shapes 16x2d,16x2ds,32x4ds]   # rows x warps, d = tensor-core fold, s = split refresh
 """
 from __future__ import annotations
 
@@ -54,11 +55,15 @@ def main():
                 out["rows"].append(dict(arch=arch, T=T, kernel="conventional", shape=shape, us=us, tbs=gbs))
             for preset in args.presets.split(","):
                 for shape in args.shapes.split(","):
-                    if T > 1 and shape.rstrip("d") not in ("32x4", "16x4", "16x2", "32x2"):
+                    base = shape.rstrip("ds")
+                    if T > 1 and base not in ("32x4", "16x4", "16x2", "32x2"):
                         continue
-                    rows, warps = map(int, shape.rstrip("d").split("x"))
-                    launch.TUNING.clear()  # a trailing d: the refresh as tensor-core products
-                    launch.TUNING.update(block_rows=rows, num_warps=warps, refresh_dot=shape.endswith("d"))
+                    rows, warps = map(int, base.split("x"))
+                    # suffixes: d = Mamba-2 fold on tensor cores (else the unrolled loop; default
+                    # shapes use d), s = the refresh in a launch of its own
+                    launch.TUNING.clear()
+                    launch.TUNING.update(block_rows=rows, num_warps=warps, refresh_dot="d" in shape[len(base):],
+                                         split_refresh="s" in shape[len(base):])
                     modes = ["staggered", "refresh"] if T == 1 and preset == "s32_rs" else ["staggered"]
                     for mode in modes:
                         (us, sp), tr = bench_one(p, preset, mode)
