@@ -97,6 +97,13 @@ def test_replot_merges_reports_without_a_gpu(tmp_path, capsys):
     assert [r["accept"] for r in merged["rows"] if r["draft"]] == ["half", "half"]
     assert merged["rows"][1]["tb_per_s"] == pytest.approx(4e6 / 8.0 / 1e6)
     assert "s32_rs" in capsys.readouterr().out
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    drawn = sorted(p.name for p in (tmp_path / "merged").glob("*.png"))
+    # two batches: a batch curve; one window and one draft length: no curve to draw for those
+    assert drawn == ["bandwidth.png", "speedup_vs_batch.png"]
 
 
 def test_launch_shape_keeps_nvfp4_programs_on_whole_scale_blocks():
