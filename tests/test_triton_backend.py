@@ -214,3 +214,42 @@ def test_mamba2_input_preparation_in_kernel_matches_torch(softplus):
     # the buffered step sizes and log decays themselves, to ~2 ulp of torch's fp32 softplus (log1p)
     for name in ("dt", "log_alpha"):
         torch.testing.assert_close(caches[1].buffer[name][used], caches[0].buffer[name][used], rtol=3e-7, atol=0)
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
+def test_a_triton_step_is_three_launches_and_no_pytorch_compute(arch):
+    """With check_values off (as under CUDA-graph capture) a decode step is the scores, step and
+    advance launches; PyTorch only allocates outputs and scratch and makes views."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from replayssm._triton import launch
+
+    class Ops(TorchDispatchMode):
+        names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    g = helpers.generator(23)
+    bf = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)  # noqa: E731
+    slots = torch.tensor([0, -1, 1])
+    if arch == "mamba2":
+        cache = rs.Mamba2Cache(2, 4, 16, 32, ngroups=2, window=4)
+        args = (bf(3, 4, 16), bf(3, 4), -torch.rand(4, generator=g), bf(3, 2, 32), bf(3, 2, 32), torch.randn(4),
+                bf(3, 4, 16), torch.randn(4), True)
+        call = rs.mamba2_decode
+    else:
+        cache = rs.GDNCache(2, 2, 4, 32, 16, window=4)
+        args = (bf(3, 2, 32), bf(3, 2, 32), bf(3, 4, 16), -torch.rand(3, 4, generator=g), bf(3, 4))
+        call = rs.gdn_decode
+    cache.check_values = False
+    launches = []
+    launch.LAUNCHER = lambda kernel, grid, a, kw: launches.append(kernel.fn.__name__)
+    try:
+        with Ops() as ops:
+            call(cache, slots, *args, backend="triton")
+    finally:
+        launch.LAUNCHER = launch._launch
+    assert launches == [f"_{arch}_scores_kernel", f"_{arch}_step_kernel", "advance_kernel"]
+    assert ops.names <= {"empty", "empty_like", "select", "unsqueeze", "view", "slice"}, ops.names
