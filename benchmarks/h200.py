@@ -1,6 +1,7 @@
-"""One device call: correctness at real geometries against float64, CUDA-graph replay check, and
-the timing table (ReplaySSM vs the conventional kernel measured in the same run). The script that
-produced BENCHMARKS.md; ``replayssm bench`` is the user-facing command over the same measurements.
+"""One device call: correctness at real geometries against float64 at batch 256 (both backends),
+CUDA-graph replay check, and a timing table (ReplaySSM vs the conventional kernel measured in the
+same run). It made the first session's tables in BENCHMARKS.md; ``replayssm bench`` is the
+user-facing command over the same measurements and made the current ones.
 
     PYTHONPATH=src python3 benchmarks/h200.py [--quick] [--out DIR]
 """
