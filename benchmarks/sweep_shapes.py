@@ -13,7 +13,6 @@ import json
 import os
 import time
 
-import torch
 
 from replayssm._triton import launch
 from replayssm.bench import conventional, suite

@@ -86,6 +86,17 @@ def load_tile(v_ptr, s_ptr, g_ptr, mat, gidx, rv, ck, DV: tl.constexpr, DK: tl.c
 
 
 @triton.jit
+def anchor_rows(ra, av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV: tl.constexpr, DK: tl.constexpr,
+                A_FMT: tl.constexpr, R_FMT: tl.constexpr, SHARED: tl.constexpr):
+    """The anchor's rows ``rv`` as fp32 [BV, DK] for a refresh: ``ra`` (the read copy from
+    ``load_read``) already holds them when the copy is shared and element-wise; else a load."""
+    if SHARED and R_FMT <= 2:
+        return ra
+    else:
+        return load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
+
+
+@triton.jit
 def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
                DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr, SR: tl.constexpr):
     """Encode fp32 tile S [BV, DK] (rows rv of matrix ``mat``) into format FMT and store it.

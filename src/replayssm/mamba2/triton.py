@@ -26,7 +26,7 @@ import triton.language as tl
 from .._triton import launch
 from .._triton.decay import segment_to, suffix_sums
 from .._triton.window import cursor, slot_cursor, slot_row, window_rows, window_scalars
-from .._triton.formats import load_query, load_read, load_tile, matvec, write_checkpoint
+from .._triton.formats import anchor_rows, load_query, load_read, load_tile, matvec, write_checkpoint
 
 
 
@@ -148,10 +148,7 @@ def _mamba2_step_kernel(
 
     if FUSED_REFRESH:
         if need:  # refresh: fold the h committed entries into a new checkpoint, from the anchor
-            if SHARED and R_FMT <= 2:
-                S = ra  # already holds the anchor's rows in fp32
-            else:
-                S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
+            S = anchor_rows(ra, av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT, R_FMT, SHARED)
             S = _fold(S, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, row, head, group, h, rv, H, G, L, LP, DV, DK, REFRESH_DOT)
             ra, rb, rsc = write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv,
                                            ck, tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT,
