@@ -4,7 +4,8 @@ Checks the kernels against float64 first. Prints one line per configuration and 
 $OUT/sweep.json. Used to pick the defaults in ``_triton/launch.py`` and ``bench/conventional.py``.
 
     PYTHONPATH=src python3 benchmarks/sweep_shapes.py [--presets s32_rs,tp8_hi32] [--skip-check] \
-        [--shapes 16x2d,16x2ds,32x4ds]   # rows x warps, d = tensor-core fold, s = split refresh
+        [--shapes 16x2d,16x2ds,32x4ds] [--gdn-shapes 16x2,16x2s] [--drafts 1,4]
+    # shapes are rows x warps; suffix d = Mamba-2 tensor-core fold, s = split refresh
 """
 from __future__ import annotations
 
@@ -26,8 +27,10 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default="s32_rs,tp16_hi32,tp8_hi32")
     ap.add_argument("--check-presets", default="s32_rs,tp8_hi32,tp4_hi16_sr,f4_sr_rs")
-    ap.add_argument("--shapes", default="16x2,16x4,32x2,32x4,32x8,64x4,64x8")
-    ap.add_argument("--conv-shapes", default="8x1,8x2,16x1,16x2,16x4,32x4")
+    ap.add_argument("--shapes", default="16x2d,16x2ds,32x4ds,64x4ds", help="Mamba-2 step kernel shapes")
+    ap.add_argument("--gdn-shapes", default="16x2,32x4,16x2s,32x4s,64x4s", help="GDN step kernel shapes")
+    ap.add_argument("--drafts", default="1,4", help="T values to time")
+    ap.add_argument("--conv-shapes", default="8x1,16x1")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--skip-check", action="store_true")
     args = ap.parse_args()
@@ -43,7 +46,7 @@ def main():
             same = graph_check(Problem(arch, dims, args.batch, 1))
             print(f"graph {arch} 48-step replay bit-identical: {same}", flush=True)
             out["checks"].append(dict(arch=arch, graph_identical=same))
-        for T in (1, 4):
+        for T in map(int, args.drafts.split(",")):
             p = Problem(arch, dims, args.batch, T)
             for shape in args.conv_shapes.split(","):
                 rows, warps = map(int, shape.split("x"))
@@ -53,9 +56,9 @@ def main():
                 print(f"{arch:6s} T={T} conventional {shape:5s} {us:8.1f} us ±{sp:4.1f}  {gbs:.2f} TB/s", flush=True)
                 out["rows"].append(dict(arch=arch, T=T, kernel="conventional", shape=shape, us=us, tbs=gbs))
             for preset in args.presets.split(","):
-                for shape in args.shapes.split(","):
+                for shape in (args.shapes if arch == "mamba2" else args.gdn_shapes).split(","):
                     base = shape.rstrip("ds")
-                    if T > 1 and base not in ("32x4", "16x4", "16x2", "32x2"):
+                    if T > 1 and base not in ("32x4", "16x4", "16x2", "32x2", "64x4"):
                         continue
                     rows, warps = map(int, base.split("x"))
                     # suffixes: d = Mamba-2 fold on tensor cores (else the unrolled loop; default
