@@ -2,7 +2,7 @@
 (sm_90a) on a machine without a GPU: the launches of one step on a CPU cache are recorded instead of
 run, compiled by Triton for the GPU target, and assembled by the ptxas that ships in triton's wheel.
 
-    PYTHONPATH=src python3 benchmarks/ptxas_report.py [--presets s32_rs,tp8_hi32] [--shapes 16x2,32x4] [--split]
+    PYTHONPATH=src python3 benchmarks/ptxas_report.py [--presets s32_rs,tp8_hi32] [--shapes 16x2ds,32x4s]
 
 High register counts mean few programs per multiprocessor (65536 registers per SM); spills go to
 local memory. Neither is a timing: BENCHMARKS.md has the timings.
@@ -87,19 +87,17 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="mamba2,gdn")
     ap.add_argument("--presets", default="s32_rs,tp16_hi32,tp8_hi32,tp4_hi16_sr,f4_sr_rs")
-    ap.add_argument("--shapes", default="default", help="default, or rows x warps, e.g. 16x2,32x4")
+    ap.add_argument("--shapes", default="default",
+                    help="default, or labels as launch.parse_shape reads them, e.g. 16x2ds,32x4s")
     ap.add_argument("--draft", type=int, default=1, help="tokens per step (1 = decode)")
-    ap.add_argument("--split", action="store_true", help="the refresh in a launch of its own")
     args = ap.parse_args(argv)
     print(f"{'arch':7s} {'preset':12s} {'shape':8s} {'kernel':24s} {'regs':>4s} {'spill st/ld':>11s} {'stack':>5s}")
     for arch in args.arch.split(","):
         for preset in args.presets.split(","):
             for shape in args.shapes.split(","):
                 launch.TUNING.clear()
-                launch.TUNING["split_refresh"] = args.split
                 if shape != "default":
-                    rows, warps = map(int, shape.split("x"))
-                    launch.TUNING.update(block_rows=rows, num_warps=warps)
+                    launch.TUNING.update(launch.parse_shape(shape))
                 for kernel, a, kw in record_step(arch, preset, args.draft):
                     if "step" not in kernel.fn.__name__ and "refresh" not in kernel.fn.__name__:
                         continue

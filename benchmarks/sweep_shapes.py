@@ -5,7 +5,7 @@ $OUT/sweep.json. Used to pick the defaults in ``_triton/launch.py`` and ``bench/
 
     PYTHONPATH=src python3 benchmarks/sweep_shapes.py [--presets s32_rs,tp8_hi32] [--skip-check] \
         [--shapes 16x2d,16x2ds,32x4ds] [--gdn-shapes 16x2,16x2s] [--drafts 1,4]
-    # shapes are rows x warps; suffix d = Mamba-2 tensor-core fold, s = split refresh
+    # shapes as launch.parse_shape reads them: rows x warps, d = refresh fold on tensor cores, s = split
 """
 from __future__ import annotations
 
@@ -27,16 +27,17 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default="s32_rs,tp16_hi32,tp8_hi32")
     ap.add_argument("--check-presets", default="s32_rs,tp8_hi32,tp4_hi16_sr,f4_sr_rs")
-    ap.add_argument("--shapes", default="16x2d,16x2ds,32x4ds,64x4ds", help="Mamba-2 step kernel shapes")
-    ap.add_argument("--gdn-shapes", default="16x2,32x4,16x2s,32x4s,64x4s", help="GDN step kernel shapes")
+    ap.add_argument("--shapes", default="32x2ds,32x4ds", help="Mamba-2 step kernel shapes")
+    ap.add_argument("--gdn-shapes", default="64x4s,64x4ds,32x4ds,16x2ds", help="GDN step kernel shapes")
     ap.add_argument("--drafts", default="1,4", help="T values to time")
     ap.add_argument("--conv-shapes", default="8x1,16x1")
     ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--arch", default="mamba2,gdn")
     ap.add_argument("--skip-check", action="store_true")
     args = ap.parse_args()
     out = {"rows": [], "checks": []}
     t0 = time.time()
-    for arch in ("mamba2", "gdn"):
+    for arch in args.arch.split(","):
         dims = suite.GEOMETRIES[GEO[arch]][1]
         if not args.skip_check:
             for preset in args.check_presets.split(","):
@@ -57,15 +58,11 @@ def main():
                 out["rows"].append(dict(arch=arch, T=T, kernel="conventional", shape=shape, us=us, tbs=gbs))
             for preset in args.presets.split(","):
                 for shape in (args.shapes if arch == "mamba2" else args.gdn_shapes).split(","):
-                    base = shape.rstrip("ds")
-                    if T > 1 and base not in ("32x4", "16x4", "16x2", "32x2", "64x4"):
+                    tuning = launch.parse_shape(shape)
+                    if T > 1 and tuning["block_rows"] > 64:
                         continue
-                    rows, warps = map(int, base.split("x"))
-                    # suffixes: d = Mamba-2 fold on tensor cores (else the unrolled loop; default
-                    # shapes use d), s = the refresh in a launch of its own
                     launch.TUNING.clear()
-                    launch.TUNING.update(block_rows=rows, num_warps=warps, refresh_dot="d" in shape[len(base):],
-                                         split_refresh="s" in shape[len(base):])
+                    launch.TUNING.update(tuning)
                     modes = ["staggered", "refresh"] if T == 1 and preset == "s32_rs" else ["staggered"]
                     for mode in modes:
                         (us, sp), tr = bench_one(p, preset, mode)

@@ -52,10 +52,18 @@ def _schedule(tr, rounds, rng):
 
 
 @pytest.mark.parametrize("arch", ["mamba2", "gdn"])
-def test_triton_s32_matches_float64_reference(arch):
+@pytest.mark.parametrize("fold", ["tensor_cores", "loop"])
+def test_triton_s32_matches_float64_reference(arch, fold):
+    """Both refresh folds (matrix form on tensor cores, the default; token-by-token loop)."""
+    from replayssm._triton import launch
+
     layer = TritonLayer(arch)
     tr = helpers.Tracker(layer, layer.cache(4, window=8, max_draft=4), seed=3)
-    _schedule(tr, rounds=10, rng=None)
+    launch.TUNING["refresh_dot"] = fold == "tensor_cores"
+    try:
+        _schedule(tr, rounds=10, rng=None)
+    finally:
+        launch.TUNING.clear()
     tr.check_counters([0, 1, 2])
     helpers.record(f"triton {arch} s32_rs max rel err", tr.max_rel)
     assert tr.max_rel <= 2e-5, tr.max_rel
@@ -217,9 +225,10 @@ def test_mamba2_input_preparation_in_kernel_matches_torch(softplus):
 
 
 @pytest.mark.parametrize("arch", ["mamba2", "gdn"])
-def test_a_triton_step_is_three_launches_and_no_pytorch_compute(arch):
-    """With check_values off (as under CUDA-graph capture) a decode step is the scores, step and
-    advance launches; PyTorch only allocates outputs and scratch and makes views."""
+def test_a_triton_step_is_four_launches_and_no_pytorch_compute(arch):
+    """With check_values off (as under CUDA-graph capture) a decode step is the scores, refresh,
+    step and advance launches (scores, step, advance with the fused refresh); PyTorch only
+    allocates outputs and scratch and makes views."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from replayssm._triton import launch
@@ -244,12 +253,16 @@ def test_a_triton_step_is_three_launches_and_no_pytorch_compute(arch):
         args = (bf(3, 2, 32), bf(3, 2, 32), bf(3, 4, 16), -torch.rand(3, 4, generator=g), bf(3, 4))
         call = rs.gdn_decode
     cache.check_values = False
-    launches = []
-    launch.LAUNCHER = lambda kernel, grid, a, kw: launches.append(kernel.fn.__name__)
-    try:
-        with Ops() as ops:
-            call(cache, slots, *args, backend="triton")
-    finally:
-        launch.LAUNCHER = launch._launch
-    assert launches == [f"_{arch}_scores_kernel", f"_{arch}_step_kernel", "advance_kernel"]
-    assert ops.names <= {"empty", "empty_like", "select", "unsqueeze", "view", "slice"}, ops.names
+    for split in (True, False):
+        launches = []
+        launch.LAUNCHER = lambda kernel, grid, a, kw: launches.append(kernel.fn.__name__)
+        launch.TUNING["split_refresh"] = split
+        try:
+            with Ops() as ops:
+                call(cache, slots, *args, backend="triton")
+        finally:
+            launch.LAUNCHER = launch._launch
+            launch.TUNING.clear()
+        refresh = [f"_{arch}_refresh_kernel"] if split else []
+        assert launches == [f"_{arch}_scores_kernel", *refresh, f"_{arch}_step_kernel", "advance_kernel"]
+        assert ops.names <= {"empty", "empty_like", "select", "unsqueeze", "view", "slice"}, ops.names

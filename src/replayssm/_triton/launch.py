@@ -4,9 +4,9 @@ A step is a fixed sequence of launches with no host synchronization in between:
 
 1. the architecture's scores kernel, one program per (batch row, group or key head): the input
    preparation and the dot products of the window's keys with the new queries;
-2. (only with ``TUNING["split_refresh"]``) the refresh kernel: fold, write anchor and read copy;
-3. the step kernel, one program per (block of state rows, head, batch row): refresh if due and
-   not split, outputs, and the new tokens' per-row buffer fields (x rows for Mamba-2; v and u
+2. the refresh kernel (unless ``TUNING["split_refresh"]`` is False, which fuses it into 3): for
+   the rows of slots whose window is full, fold, write anchor and read copy; other programs exit;
+3. the step kernel, one program per (block of state rows, head, batch row): outputs, and the new tokens' per-row buffer fields (x rows for Mamba-2; v and u
    rows for GDN);
 4. ``advance_kernel``, one program per batch row: the new tokens' *shared* buffer fields (read by
    several programs of launch 3: B or k per group, dt/log decay/beta per head) and the cursors.
@@ -118,13 +118,26 @@ def check_geometry(cache):
 TUNING: dict = {}
 
 #: (rows of a head per program, warps per program, Mamba-2 refresh on tensor cores) by
-#: architecture and read-copy width: the fastest measured on an H200 at batch 256 with real
-#: geometries (benchmarks/sweep_shapes.py; BENCHMARKS.md has the sweep). The refresh arithmetic
-#: must not depend on the read format (the anchor's bits may not), so Mamba-2 folds on tensor
-#: cores for every preset: fastest for narrow read copies, 14% slower than the unrolled loop
-#: for fp32 ones.
-SHAPES = {("mamba2", "fp32"): (16, 2, True), ("mamba2", "narrow"): (16, 2, True),
-          ("gdn", "fp32"): (16, 2, False), ("gdn", "narrow"): (32, 4, False)}
+#: architecture and read-copy format: the fastest measured on an H200 at batch 256, staggered
+#: windows, real geometries, split refresh (benchmarks/sweep_shapes.py; BENCHMARKS.md has the
+#: sweep). The refresh arithmetic must not depend on the read format (the anchor's bits may
+#: not), so Mamba-2 folds on tensor cores for every preset. NVFP4 rows are always one row block.
+SHAPES = {("mamba2", "fp32"): (32, 2, True), ("mamba2", "fp16"): (32, 2, True),
+          ("mamba2", "bf16"): (32, 2, True), ("mamba2", "fp8_e4m3"): (32, 2, True),
+          ("mamba2", "nvfp4"): (32, 4, True),
+          ("gdn", "fp32"): (64, 4, True), ("gdn", "fp16"): (16, 2, True),
+          ("gdn", "bf16"): (16, 2, True), ("gdn", "fp8_e4m3"): (64, 4, True),
+          ("gdn", "nvfp4"): (32, 4, True)}
+
+
+def parse_shape(text: str) -> dict:
+    """``TUNING`` overrides from a benchmark's shape label: "32x4" = 32 rows per program, 4 warps;
+    suffix ``d`` = refresh fold on tensor cores (else the token loop), ``s`` = split refresh (else
+    fused). E.g. "32x4ds"."""
+    base = text.rstrip("ds")
+    rows, warps = map(int, base.split("x"))
+    flags = text[len(base):]
+    return dict(block_rows=rows, num_warps=warps, refresh_dot="d" in flags, split_refresh="s" in flags)
 
 
 def launch_shape(cache, arch: str) -> tuple[int, int, bool]:
@@ -132,7 +145,7 @@ def launch_shape(cache, arch: str) -> tuple[int, int, bool]:
     ``cache``. A program must own whole NVFP4 global-scale blocks to encode its rows alone at a
     refresh, so with an NVFP4 format the rows are exactly one row block; tl.dot needs >= 16 rows."""
     read = cache.precision.read_format.name
-    rows, warps, dot = SHAPES[(arch, "fp32" if read == "fp32" else "narrow")]
+    rows, warps, dot = SHAPES[(arch, read)]
     rows = TUNING.get("block_rows", rows)
     fmts = {cache.precision.anchor.name, read}
     if "nvfp4" in fmts or rows < 16 or rows > cache.dv or cache.dv % rows:
@@ -141,8 +154,9 @@ def launch_shape(cache, arch: str) -> tuple[int, int, bool]:
 
 
 def split_refresh() -> bool:
-    """Refresh in a launch of its own before the step kernel (not measured on a GPU yet, so off
-    by default): the step kernel then carries no refresh code and needs far fewer registers
-    (benchmarks/ptxas_report.py), at the price of one launch and of re-reading the read copy of
-    the refreshed rows."""
-    return TUNING.get("split_refresh", False)
+    """Refresh in a launch of its own before the step kernel (the default): the step kernel then
+    carries no refresh code and needs far fewer registers (72-167 against 167-255 fused, from
+    benchmarks/ptxas_report.py), which measured 1.1-2.1x faster steps on an H200 for the price
+    of one launch and a re-read of the refreshed rows' read copy. ``TUNING["split_refresh"] =
+    False`` selects the fused kernel (kept: it is the bit-for-bit cross-check of the split one)."""
+    return TUNING.get("split_refresh", True)
