@@ -120,14 +120,15 @@ TUNING: dict = {}
 #: (rows of a head per program, warps per program, Mamba-2 refresh on tensor cores) by
 #: architecture and read-copy format: the fastest measured on an H200 at batch 256, staggered
 #: windows, real geometries, split refresh (benchmarks/sweep_shapes.py; BENCHMARKS.md has the
-#: sweep). The refresh arithmetic must not depend on the read format (the anchor's bits may
-#: not), so Mamba-2 folds on tensor cores for every preset. NVFP4 rows are always one row block.
+#: sweeps). The refresh arithmetic must not depend on the read format (the anchor's bits may
+#: not), so Mamba-2 folds on tensor cores for every preset; GDN always runs the token loop (its
+#: matrix form on tensor cores measured 1.2-1.7x slower steps). NVFP4 rows are one row block.
 SHAPES = {("mamba2", "fp32"): (32, 2, True), ("mamba2", "fp16"): (32, 2, True),
           ("mamba2", "bf16"): (32, 2, True), ("mamba2", "fp8_e4m3"): (32, 2, True),
           ("mamba2", "nvfp4"): (32, 4, True),
-          ("gdn", "fp32"): (64, 4, True), ("gdn", "fp16"): (16, 2, True),
-          ("gdn", "bf16"): (16, 2, True), ("gdn", "fp8_e4m3"): (64, 4, True),
-          ("gdn", "nvfp4"): (32, 4, True)}
+          ("gdn", "fp32"): (64, 4, False), ("gdn", "fp16"): (16, 2, False),
+          ("gdn", "bf16"): (16, 2, False), ("gdn", "fp8_e4m3"): (64, 4, False),
+          ("gdn", "nvfp4"): (32, 4, False)}
 
 
 def parse_shape(text: str) -> dict:

@@ -1,12 +1,12 @@
-"""Gated DeltaNet ReplaySSM Triton kernels: fused refresh + output-only decode/verify.
+"""Gated DeltaNet ReplaySSM Triton kernels: refresh + output-only decode/verify.
 
-A step is three launches, no host synchronization and no PyTorch work between them:
+A step is four launches, no host synchronization and no PyTorch work between them:
 ``_gdn_scores_kernel`` (the input preparation — L2 norms, query scale, fp32 casts — and k_j . q_s,
-k_j . k_s over the window, once per batch row and key head), ``_gdn_step_kernel`` (one program
-per block of state rows, value head and batch row; GDN's residuals are separable over state
-rows), and ``launch.advance`` (shared buffer fields k, g, beta and the cursors); with
-``launch.TUNING["split_refresh"]`` a fourth, ``_gdn_refresh_kernel``, takes the refresh out of
-the step kernel.
+k_j . k_s over the window, once per batch row and key head), ``_gdn_refresh_kernel`` (the slots
+whose window is full; other programs exit), ``_gdn_step_kernel`` (one program per block of state
+rows, value head and batch row; GDN's residuals are separable over state rows), and
+``launch.advance`` (shared buffer fields k, g, beta and the cursors). With
+``launch.TUNING["split_refresh"] = False`` the step kernel refreshes itself (three launches).
 
 At a refresh the program re-solves the committed residuals from the *anchor* by running the
 conventional recurrence over the h buffered tokens in registers (S = alpha S; u = beta (v - S k);
@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .._triton import launch
-from .._triton.decay import segment_to, suffix_sums
+from .._triton.decay import segment_to
 from .._triton.window import cursor, slot_cursor, slot_row, window_rows, window_scalars
 from .._triton.formats import anchor_rows, load_query, load_read, load_tile, matvec, write_checkpoint
 
@@ -67,51 +67,21 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, bk_ptr, k_ptr, q_ptr, kn_ptr, q
 
 @triton.jit
 def _fold(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, khead, h, rv, HV, HK, L: tl.constexpr,
-          LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DOT: tl.constexpr):
-    """The new checkpoint's unrounded rows ``rv`` [BV, DK] from anchor rows S, re-solving the h
-    committed tokens' residuals from the anchor (none past h).
-
-    DOT: DESIGN §2's triangular system in matrix form. With c_j the log decay from the checkpoint
-    through token j and g(i, j] the one from entry i to j,
-        (I + M) u = beta * (v - e^{c} * (S k)),   M[j, i] = beta_j e^{g(i, j]} (k_i . k_j), i < j,
-    so U = R (I + M)^-T: the [LP, LP] inverse by forward substitution once per program (it does
-    not depend on the rows), and the three [BV, *] products S K^T, R X^T, (U w) K on tensor
-    cores (3-pass tf32). Otherwise the conventional recurrence token by token (S = alpha S;
-    u = beta (v - S k); S += u k^T), whose [BV, DK] reductions make it issue-bound."""
+          DV: tl.constexpr, DK: tl.constexpr):
+    """The new checkpoint's unrounded rows ``rv`` [BV, DK] from anchor rows S: the conventional
+    recurrence over the h committed tokens (S = alpha S; u = beta (v - S k); S += u k^T), which
+    re-solves their residuals from the anchor. Unrolled so that every token's buffer loads are
+    independent of S. (A triangular solve with tensor-core products instead measured 2-3x
+    slower: BENCHMARKS.md, launch-shape sweeps.)"""
     ck = tl.arange(0, DK)
-    if DOT:
-        j = tl.arange(0, LP)
-        buf_tok = row * L + j
-        old = j < h
-        K_c = tl.load(bk_ptr + (buf_tok[:, None] * HK + khead) * DK + ck[None, :], mask=old[:, None],
-                      other=0.0).to(tl.float32)  # [LP, DK]
-        V_c = tl.load(bv_ptr + (buf_tok[None, :] * HV + head) * DV + rv[:, None], mask=old[None, :],
-                      other=0.0).to(tl.float32)  # [BV, LP]
-        g_c = tl.load(bg_ptr + buf_tok * HV + head, mask=old, other=0.0)
-        beta_c = tl.load(bbeta_ptr + buf_tok * HV + head, mask=old, other=0.0)  # 0 past h: u = 0 there
-        r, c = j[:, None], j[None, :]
-        KK = tl.dot(K_c, tl.trans(K_c), input_precision="tf32x3")
-        X = tl.zeros((LP, LP), dtype=tl.float32)
-        for jj in tl.static_range(LP):  # row jj of (I + M)^-1: e_jj - sum_{i < jj} M[jj, i] X[i, :]
-            beta_j = tl.sum(tl.where(j == jj, beta_c, 0.0), 0)
-            decay = tl.exp(tl.where(j < jj, segment_to(g_c, jj), float("-inf")))  # e^{g(i, jj]}, 0 for i >= jj
-            m_row = beta_j * decay * tl.sum(tl.where(r == jj, KK, 0.0), 0)
-            X = tl.where(r == jj, tl.where(j == jj, 1.0, 0.0)[None, :] - tl.sum(m_row[:, None] * X, 0)[None, :], X)
-        c_j = tl.sum(tl.where(c <= r, g_c[None, :], 0.0), 1)  # [LP] log decay through j
-        SK = tl.dot(S, tl.trans(K_c), input_precision="tf32x3")  # [BV, LP]: S_anchor k_j
-        R = beta_c[None, :] * (V_c - tl.exp(c_j)[None, :] * SK)
-        U = tl.dot(R, tl.trans(X), input_precision="tf32x3")
-        w = tl.exp(suffix_sums(g_c, h))  # decay from each entry to the end of the history
-        S = S * tl.exp(tl.sum(g_c, 0)) + tl.dot(U * w[None, :], K_c, input_precision="tf32x3")
-    else:
-        for jj in tl.static_range(L):  # unrolled, so every token's buffer loads are independent of S
-            tok_j = row * L + jj
-            m = jj < h
-            kr = tl.load(bk_ptr + (tok_j * HK + khead) * DK + ck, mask=m & (ck < DK), other=0.0).to(tl.float32)
-            vr = tl.load(bv_ptr + (tok_j * HV + head) * DV + rv, mask=m & (rv < DV), other=0.0).to(tl.float32)
-            S = S * tl.exp(tl.load(bg_ptr + tok_j * HV + head, mask=m, other=0.0))
-            u = tl.load(bbeta_ptr + tok_j * HV + head, mask=m, other=0.0) * (vr - tl.sum(S * kr[None, :], 1))
-            S += u[:, None] * kr[None, :]
+    for jj in tl.static_range(L):
+        tok_j = row * L + jj
+        m = jj < h
+        kr = tl.load(bk_ptr + (tok_j * HK + khead) * DK + ck, mask=m & (ck < DK), other=0.0).to(tl.float32)
+        vr = tl.load(bv_ptr + (tok_j * HV + head) * DV + rv, mask=m & (rv < DV), other=0.0).to(tl.float32)
+        S = S * tl.exp(tl.load(bg_ptr + tok_j * HV + head, mask=m, other=0.0))
+        u = tl.load(bbeta_ptr + tok_j * HV + head, mask=m, other=0.0) * (vr - tl.sum(S * kr[None, :], 1))
+        S += u[:, None] * kr[None, :]
     return S
 
 
@@ -120,9 +90,9 @@ def _gdn_refresh_kernel(
         slots_ptr, committed_ptr, tokens_ptr, seeds_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
         bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, SCRATCH, HV, HK,
-        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
-        BV: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
-        SHARED: tl.constexpr, REFRESH_DOT: tl.constexpr):
+        T: tl.constexpr, L: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+        A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
+        SHARED: tl.constexpr):
     """The refresh alone (the step kernel then runs with FUSED_REFRESH=False): programs of slots
     that do not refresh this step exit after two loads."""
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -134,8 +104,7 @@ def _gdn_refresh_kernel(
         rv = pid_v * BV + tl.arange(0, BV)
         ck = tl.arange(0, DK)
         S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
-        S = _fold(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, head // (HV // HK), h, rv, HV, HK, L, LP, DV,
-                  DK, REFRESH_DOT)
+        S = _fold(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, head // (HV // HK), h, rv, HV, HK, L, DV, DK)
         write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
                          tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT, A_SR, R_FMT, R_SR,
                          SHARED)
@@ -151,7 +120,7 @@ def _gdn_step_kernel(
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
-        SHARED: tl.constexpr, REFRESH_DOT: tl.constexpr, FUSED_REFRESH: tl.constexpr):
+        SHARED: tl.constexpr, FUSED_REFRESH: tl.constexpr):
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
@@ -170,8 +139,7 @@ def _gdn_step_kernel(
     if FUSED_REFRESH:
         if need:  # refresh: re-solve the committed residuals from the anchor, token by token
             S = anchor_rows(ra, av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT, R_FMT, SHARED)
-            S = _fold(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, khead, h, rv, HV, HK, L, LP, DV, DK,
-                      REFRESH_DOT)
+            S = _fold(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, khead, h, rv, HV, HK, L, DV, DK)
             ra, rb, rsc = write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv,
                                            ck, tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT,
                                            A_SR, R_FMT, R_SR, SHARED)
@@ -217,7 +185,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     anchor, read, consts = launch.format_args(cache)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     o = torch.empty(b, T, HV, V, dtype=torch.float32, device=v.device)
-    bv, warps, refresh_dot = launch.launch_shape(cache, "gdn")
+    bv, warps, _ = launch.launch_shape(cache, "gdn")
     split = launch.split_refresh()
     buf = cache.buffer
     LP = max(16, triton.next_power_of_2(cache.window))
@@ -232,15 +200,14 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     if split:
         launch.run(_gdn_refresh_kernel, grid, slots, cache.committed, cache.tokens, cache.seeds, *anchor, *read,
                    buf["k"], buf["v"], buf["g"], buf["beta"], cache.scratch_row, HV, HK,
-                   T=T, L=cache.window, LP=LP, DV=V, DK=cache.head_k_dim, BV=bv, REFRESH_DOT=refresh_dot,
-                   num_warps=warps, **consts)
+                   T=T, L=cache.window, DV=V, DK=cache.head_k_dim, BV=bv, num_warps=warps, **consts)
     launch.run(
         _gdn_step_kernel, grid,
         slots, cache.committed, cache.tokens, cache.seeds, *anchor, *read,
         buf["k"], buf["v"], buf["g"], buf["beta"], buf["u"],
         q, k, v, g, beta, scores, o, cache.scratch_row, HV, HK,
         T=T, L=cache.window, LP=LP, DV=V,
-        DK=cache.head_k_dim, BV=bv, REFRESH_DOT=refresh_dot, FUSED_REFRESH=not split,
+        DK=cache.head_k_dim, BV=bv, FUSED_REFRESH=not split,
         num_warps=warps, **consts)
     launch.advance(cache, slots, T, commit, {"k": k, "g": g, "beta": beta})
     return o

@@ -1,11 +1,11 @@
-"""Mamba-2 ReplaySSM Triton kernels: fused refresh + output-only decode/verify.
+"""Mamba-2 ReplaySSM Triton kernels: refresh + output-only decode/verify.
 
-A step is three launches, no host synchronization and no PyTorch work between them:
+A step is four launches, no host synchronization and no PyTorch work between them:
 ``_mamba2_scores_kernel`` (the input preparation dt = softplus(dt + dt_bias), A dt, and B_j . C_s
-for the window, once per batch row and group), ``_mamba2_step_kernel`` (one program per block of
-state rows, head and batch row), and ``launch.advance`` (shared buffer fields and cursors); with
-``launch.TUNING["split_refresh"]`` a fourth, ``_mamba2_refresh_kernel``, takes the refresh out
-of the step kernel.
+for the window, once per batch row and group), ``_mamba2_refresh_kernel`` (the slots whose window
+is full; other programs exit), ``_mamba2_step_kernel`` (one program per block of state rows, head
+and batch row), and ``launch.advance`` (shared buffer fields and cursors). With
+``launch.TUNING["split_refresh"] = False`` the step kernel refreshes itself (three launches).
 
 If the slot's committed history plus the T new tokens overflows the window, the program first
 folds the committed entries into the anchor (S = gamma_h S_anchor + sum_j w_j x_j B_j^T, one
