@@ -90,6 +90,8 @@ def main(argv=None):
     ap.add_argument("--shapes", default="default",
                     help="default, or labels as launch.parse_shape reads them, e.g. 16x2ds,32x4s")
     ap.add_argument("--draft", type=int, default=1, help="tokens per step (1 = decode)")
+    ap.add_argument("--batch", type=int, default=256,
+                    help="batch whose default launches to compile (split or fused refresh)")
     args = ap.parse_args(argv)
     print(f"{'arch':7s} {'preset':12s} {'shape':8s} {'kernel':24s} {'regs':>4s} {'spill st/ld':>11s} {'stack':>5s}")
     for arch in args.arch.split(","):
@@ -98,6 +100,8 @@ def main(argv=None):
                 launch.TUNING.clear()
                 if shape != "default":
                     launch.TUNING.update(launch.parse_shape(shape))
+                else:  # the steps are recorded at batch 2; compile the launches of --batch
+                    launch.TUNING["split_refresh"] = launch.split_refresh(args.batch)
                 for kernel, a, kw in record_step(arch, preset, args.draft):
                     if "step" not in kernel.fn.__name__ and "refresh" not in kernel.fn.__name__:
                         continue

@@ -226,8 +226,8 @@ def test_mamba2_input_preparation_in_kernel_matches_torch(softplus):
 @pytest.mark.parametrize("arch", ["mamba2", "gdn"])
 def test_a_triton_step_is_four_launches_and_no_pytorch_compute(arch):
     """With check_values off (as under CUDA-graph capture) a decode step is the scores, refresh,
-    step and advance launches (scores, step, advance with the fused refresh); PyTorch only
-    allocates outputs and scratch and makes views."""
+    step and advance launches (scores, step, advance with the fused refresh, the default below
+    launch.SPLIT_MIN_BATCH rows); PyTorch only allocates outputs and scratch and makes views."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from replayssm._triton import launch
@@ -252,10 +252,12 @@ def test_a_triton_step_is_four_launches_and_no_pytorch_compute(arch):
         args = (bf(3, 2, 32), bf(3, 2, 32), bf(3, 4, 16), -torch.rand(3, 4, generator=g), bf(3, 4))
         call = rs.gdn_decode
     cache.check_values = False
-    for split in (True, False):
+    assert not launch.split_refresh(3) and launch.split_refresh(launch.SPLIT_MIN_BATCH)
+    for split in (True, False, None):  # None: the default for a batch of 3, fused
         launches = []
         launch.LAUNCHER = lambda kernel, grid, a, kw: launches.append(kernel.fn.__name__)
-        launch.TUNING["split_refresh"] = split
+        if split is not None:
+            launch.TUNING["split_refresh"] = split
         try:
             with Ops() as ops:
                 call(cache, slots, *args, backend="triton")

@@ -4,7 +4,7 @@ A step is a fixed sequence of launches with no host synchronization in between:
 
 1. the architecture's scores kernel, one program per (batch row, group or key head): the input
    preparation and the dot products of the window's keys with the new queries;
-2. the refresh kernel (unless ``TUNING["split_refresh"]`` is False, which fuses it into 3): for
+2. the refresh kernel (batch >= ``SPLIT_MIN_BATCH``; below, it is fused into 3): for
    the rows of slots whose window is full, fold, write anchor and read copy; other programs exit;
 3. the step kernel, one program per (block of state rows, head, batch row): outputs, and the new tokens' per-row buffer fields (x rows for Mamba-2; v and u
    rows for GDN);
@@ -122,12 +122,14 @@ TUNING: dict = {}
 #: windows, real geometries, split refresh (benchmarks/sweep_shapes.py; BENCHMARKS.md has the
 #: sweeps). The refresh arithmetic must not depend on the read format (the anchor's bits may
 #: not), so Mamba-2 folds on tensor cores for every preset; GDN always runs the token loop (its
-#: matrix form on tensor cores measured 1.2-1.7x slower steps). NVFP4 rows are one row block.
+#: matrix form on tensor cores measured 1.2-1.7x slower steps). For the same reason every
+#: element-wise read format of an architecture shares one shape (GDN fp16 would gain 4% at 16x2),
+#: so the fold's summation order is the same; NVFP4 rows are one row block.
 SHAPES = {("mamba2", "fp32"): (32, 2, True), ("mamba2", "fp16"): (32, 2, True),
           ("mamba2", "bf16"): (32, 2, True), ("mamba2", "fp8_e4m3"): (32, 2, True),
           ("mamba2", "nvfp4"): (32, 4, True),
-          ("gdn", "fp32"): (64, 4, False), ("gdn", "fp16"): (16, 2, False),
-          ("gdn", "bf16"): (16, 2, False), ("gdn", "fp8_e4m3"): (64, 4, False),
+          ("gdn", "fp32"): (64, 4, False), ("gdn", "fp16"): (64, 4, False),
+          ("gdn", "bf16"): (64, 4, False), ("gdn", "fp8_e4m3"): (64, 4, False),
           ("gdn", "nvfp4"): (32, 4, False)}
 
 
@@ -154,10 +156,18 @@ def launch_shape(cache, arch: str) -> tuple[int, int, bool]:
     return rows, TUNING.get("num_warps", warps), TUNING.get("refresh_dot", dot)
 
 
-def split_refresh() -> bool:
-    """Refresh in a launch of its own before the step kernel (the default): the step kernel then
-    carries no refresh code and needs far fewer registers (72-167 against 167-255 fused, from
-    benchmarks/ptxas_report.py), which measured 1.1-2.1x faster steps on an H200 for the price
-    of one launch and a re-read of the refreshed rows' read copy. ``TUNING["split_refresh"] =
-    False`` selects the fused kernel (kept: it is the bit-for-bit cross-check of the split one)."""
-    return TUNING.get("split_refresh", True)
+#: Smallest batch that gets the refresh in a launch of its own; smaller batches are bound by
+#: launch latency and save a launch by refreshing inside the step kernel (H200, batch 1 and 8:
+#: 7.9 against 9.4 us for Mamba-2, 9.1 against 11.0 us for GDN; BENCHMARKS.md).
+SPLIT_MIN_BATCH = 32
+
+
+def split_refresh(batch: int) -> bool:
+    """Refresh in a launch of its own before the step kernel (batch >= SPLIT_MIN_BATCH): the step
+    kernel then carries no refresh code and needs far fewer registers (72-167 against 167-255
+    fused, from benchmarks/ptxas_report.py), which measured 1.1-2.1x faster steps at batch 256
+    on an H200, for the price of one launch and a re-read of the refreshed rows' read copy. The
+    two forms run the same fold and encoding code and are tested to give the same bits, so the
+    choice by batch size does not make results depend on the batch. ``TUNING["split_refresh"]``
+    overrides it."""
+    return TUNING.get("split_refresh", batch >= SPLIT_MIN_BATCH)
