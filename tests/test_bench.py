@@ -75,27 +75,31 @@ def test_correctness_gate_passes_the_real_kernel_and_refuses_a_broken_one(arch):
 
 def test_replot_merges_reports_without_a_gpu(tmp_path, capsys):
     """--replot merges bench.json files (rows, gates, memory), fills in the accept rate of
-    speculative rows, and writes the merged bench.json (plots when matplotlib is there)."""
+    speculative rows, lets a later measurement of the same row replace the earlier one, and
+    writes the merged bench.json (plots when matplotlib is there)."""
     import json
 
-    def report(batch, draft, accept):
+    def report(batch, draft, accept, us=8.0):
         base = dict(arch="mamba2", dims=[8, 16, 32, 1], window=16, draft=draft, batch=batch, mode="-",
                     kernel="ours", us=10.0, spread=0.1, bytes=8e6)
-        ours = dict(base, kernel="s32_rs", mode="staggered", us=8.0, bytes=4e6, speedup_vs_ours=1.25)
+        ours = dict(base, kernel="s32_rs", mode="staggered", us=us, bytes=4e6, speedup_vs_ours=10.0 / us)
         return {"environment": {"gpu": "test"}, "args": {"accept": accept}, "copy_bandwidth": 4e12,
                 "rows": [base, ours], "gate": [{"passed": True}], "memory": {}, "skipped": {}}
 
     paths = []
-    for i, (batch, draft, accept) in enumerate(((8, 0, "all"), (64, 0, "all"), (64, 4, "half"))):
+    runs = ((8, 0, "all", 8.0), (64, 0, "all", 8.0), (64, 4, "half", 8.0), (64, 0, "all", 5.0))  # the last: again
+    for i, (batch, draft, accept, us) in enumerate(runs):
         paths.append(tmp_path / f"r{i}.json")
-        paths[-1].write_text(json.dumps(report(batch, draft, accept)))
+        paths[-1].write_text(json.dumps(report(batch, draft, accept, us)))
     from replayssm.cli import main
 
     assert main(["bench", "--replot", *map(str, paths), "--output", str(tmp_path / "merged")]) == 0
     merged = json.loads((tmp_path / "merged" / "bench.json").read_text())
-    assert len(merged["rows"]) == 6 and len(merged["gate"]) == 3
+    assert len(merged["rows"]) == 6 and len(merged["gate"]) == 4
     assert [r["accept"] for r in merged["rows"] if r["draft"]] == ["half", "half"]
     assert merged["rows"][1]["tb_per_s"] == pytest.approx(4e6 / 8.0 / 1e6)
+    again = [r for r in merged["rows"] if r["batch"] == 64 and r["draft"] == 0 and r["kernel"] == "s32_rs"]
+    assert [r["us"] for r in again] == [5.0]
     assert "s32_rs" in capsys.readouterr().out
     try:
         import matplotlib  # noqa: F401

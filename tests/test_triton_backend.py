@@ -252,7 +252,7 @@ def test_a_triton_step_is_four_launches_and_no_pytorch_compute(arch):
         args = (bf(3, 2, 32), bf(3, 2, 32), bf(3, 4, 16), -torch.rand(3, 4, generator=g), bf(3, 4))
         call = rs.gdn_decode
     cache.check_values = False
-    assert not launch.split_refresh(3) and launch.split_refresh(launch.SPLIT_MIN_BATCH)
+    assert not launch.split_refresh(arch, 3) and launch.split_refresh(arch, launch.SPLIT_MIN_BATCH[arch])
     for split in (True, False, None):  # None: the default for a batch of 3, fused
         launches = []
         launch.LAUNCHER = lambda kernel, grid, a, kw: launches.append(kernel.fn.__name__)

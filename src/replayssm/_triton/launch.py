@@ -4,7 +4,7 @@ A step is a fixed sequence of launches with no host synchronization in between:
 
 1. the architecture's scores kernel, one program per (batch row, group or key head): the input
    preparation and the dot products of the window's keys with the new queries;
-2. the refresh kernel (batch >= ``SPLIT_MIN_BATCH``; below, it is fused into 3): for
+2. the refresh kernel (batch >= ``SPLIT_MIN_BATCH[arch]``; below, it is fused into 3): for
    the rows of slots whose window is full, fold, write anchor and read copy; other programs exit;
 3. the step kernel, one program per (block of state rows, head, batch row): outputs, and the new tokens' per-row buffer fields (x rows for Mamba-2; v and u
    rows for GDN);
@@ -156,13 +156,14 @@ def launch_shape(cache, arch: str) -> tuple[int, int, bool]:
     return rows, TUNING.get("num_warps", warps), TUNING.get("refresh_dot", dot)
 
 
-#: Smallest batch that gets the refresh in a launch of its own; smaller batches are bound by
-#: launch latency and save a launch by refreshing inside the step kernel (H200, batch 1 and 8:
-#: 7.9 against 9.4 us for Mamba-2, 9.1 against 11.0 us for GDN; BENCHMARKS.md).
-SPLIT_MIN_BATCH = 32
+#: Smallest batch that gets the refresh in a launch of its own, by architecture. Smaller batches
+#: are bound by launch latency and save a launch by refreshing inside the step kernel (H200,
+#: s32_rs, us per step split -> fused: batch 1 Mamba-2 9.6 -> 8.1, GDN 11.3 -> 9.8; batch 8
+#: Mamba-2 20.0 -> 21.5, GDN 34.1 -> 31.7; BENCHMARKS.md).
+SPLIT_MIN_BATCH = {"mamba2": 8, "gdn": 32}
 
 
-def split_refresh(batch: int) -> bool:
+def split_refresh(arch: str, batch: int) -> bool:
     """Refresh in a launch of its own before the step kernel (batch >= SPLIT_MIN_BATCH): the step
     kernel then carries no refresh code and needs far fewer registers (72-167 against 167-255
     fused, from benchmarks/ptxas_report.py), which measured 1.1-2.1x faster steps at batch 256
@@ -170,4 +171,4 @@ def split_refresh(batch: int) -> bool:
     two forms run the same fold and encoding code and are tested to give the same bits, so the
     choice by batch size does not make results depend on the batch. ``TUNING["split_refresh"]``
     overrides it."""
-    return TUNING.get("split_refresh", batch >= SPLIT_MIN_BATCH)
+    return TUNING.get("split_refresh", batch >= SPLIT_MIN_BATCH[arch])

@@ -240,6 +240,12 @@ def format_report(report) -> str:
     return "\n".join(lines)
 
 
+def _geometry_name(row: dict) -> str:
+    """The geometry's name in GEOMETRIES, else arch and dims: curves never mix geometries."""
+    named = {(arch, tuple(dims)): name for name, (arch, dims) in GEOMETRIES.items()}
+    return named.get((row["arch"], tuple(row["dims"])), f"{row['arch']} {','.join(map(str, row['dims']))}")
+
+
 def plots(report, out) -> None:
     """Speedup vs batch, vs window, vs draft length; achieved bandwidth vs the copy ceiling."""
     try:
@@ -256,7 +262,7 @@ def plots(report, out) -> None:
     for x, name, keep in views:
         series = {}
         for r in filter(keep, rows):
-            label = f"{r['arch']} {r['kernel']}" + (f" accept {r.get('accept') or 'all'}" if x == "draft" else "")
+            label = f"{_geometry_name(r)} {r['kernel']}" + (f" accept {r.get('accept') or 'all'}" if x == "draft" else "")
             series.setdefault(label, {})[r[x]] = r["speedup_vs_ours"]
         series = {k: sorted(v.items()) for k, v in series.items() if len(v) > 1}
         if not series:  # one value of x in this sweep: a curve would be a dot
@@ -290,9 +296,16 @@ def plots(report, out) -> None:
     plt.close(fig)
 
 
+def _row_key(row: dict) -> tuple:
+    return (row["arch"], tuple(row["dims"]), row["window"], row["draft"], row.get("accept"), row["batch"],
+            row["kernel"], row.get("mode"))
+
+
 def replot(args) -> int:
     """``--replot``: merge earlier bench.json reports into one table, DIR/bench.json and plots
-    (no GPU needed). The first report's environment and copy ceiling head the merged one."""
+    (no GPU needed). The first report's environment and copy ceiling head the merged one; a row
+    measured again in a later report (same layer, window, draft, accept, batch, kernel, mode)
+    replaces the earlier one."""
     reports = []
     for path in args.replot:
         with open(path) as f:
@@ -301,7 +314,8 @@ def replot(args) -> int:
     for r in reports:
         for row in r["rows"]:
             row.setdefault("accept", r["args"].get("accept") if row["draft"] else None)
-        merged["rows"] += r["rows"]
+        again = {_row_key(row) for row in r["rows"]}
+        merged["rows"] = [row for row in merged["rows"] if _row_key(row) not in again] + r["rows"]
         merged["gate"] += r.get("gate", [])
         merged["memory"].update(r.get("memory", {}))
         merged["skipped"].update(r.get("skipped", {}))

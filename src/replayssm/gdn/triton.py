@@ -6,7 +6,7 @@ k_j . k_s over the window, once per batch row and key head), ``_gdn_refresh_kern
 whose window is full; other programs exit), ``_gdn_step_kernel`` (one program per block of state
 rows, value head and batch row; GDN's residuals are separable over state rows), and
 ``launch.advance`` (shared buffer fields k, g, beta and the cursors). Below
-``launch.SPLIT_MIN_BATCH`` batch rows the step kernel refreshes itself (three launches).
+``launch.SPLIT_MIN_BATCH`` batch rows (per architecture) the step kernel refreshes itself (three launches).
 
 At a refresh the program re-solves the committed residuals from the *anchor* by running the
 conventional recurrence over the h buffered tokens in registers (S = alpha S; u = beta (v - S k);
@@ -186,7 +186,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     o = torch.empty(b, T, HV, V, dtype=torch.float32, device=v.device)
     bv, warps, _ = launch.launch_shape(cache, "gdn")
-    split = launch.split_refresh(b)
+    split = launch.split_refresh("gdn", b)
     buf = cache.buffer
     LP = max(16, triton.next_power_of_2(cache.window))
     HK = cache.num_k_heads

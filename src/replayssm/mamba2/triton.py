@@ -5,7 +5,7 @@ A step is four launches, no host synchronization and no PyTorch work between the
 for the window, once per batch row and group), ``_mamba2_refresh_kernel`` (the slots whose window
 is full; other programs exit), ``_mamba2_step_kernel`` (one program per block of state rows, head
 and batch row), and ``launch.advance`` (shared buffer fields and cursors). Below
-``launch.SPLIT_MIN_BATCH`` batch rows the step kernel refreshes itself (three launches).
+``launch.SPLIT_MIN_BATCH`` batch rows (per architecture) the step kernel refreshes itself (three launches).
 
 If the slot's committed history plus the T new tokens overflows the window, the program first
 folds the committed entries into the anchor (S = gamma_h S_anchor + sum_j w_j x_j B_j^T, one
@@ -197,7 +197,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     z = None if z is None else z.contiguous()
     y = torch.empty(b, T, H, P, dtype=torch.float32, device=x.device)
     bv, warps, refresh_dot = launch.launch_shape(cache, "mamba2")
-    split = launch.split_refresh(b)
+    split = launch.split_refresh("mamba2", b)
     buf = cache.buffer
     LP = max(16, triton.next_power_of_2(cache.window))
     scores = torch.empty(b, cache.ngroups, T, LP, dtype=torch.float32, device=x.device)
