@@ -79,7 +79,7 @@ def assemble(kernel, args, kwargs) -> dict:
                          capture_output=True, text=True, check=True).stderr
     os.unlink(f.name)
     grab = lambda pattern: int(re.search(pattern, log).group(1))  # noqa: E731
-    return {"registers": grab(r"Used (\d+) registers"), "spill_stores": grab(r"(\d+) bytes spill stores"),
+    return {"shared": compiled.metadata.shared, "registers": grab(r"Used (\d+) registers"), "spill_stores": grab(r"(\d+) bytes spill stores"),
             "spill_loads": grab(r"(\d+) bytes spill loads"), "stack": grab(r"(\d+) bytes stack frame")}
 
 
@@ -93,7 +93,8 @@ def main(argv=None):
     ap.add_argument("--batch", type=int, default=256,
                     help="batch whose default launches to compile (split or fused refresh)")
     args = ap.parse_args(argv)
-    print(f"{'arch':7s} {'preset':12s} {'shape':8s} {'kernel':24s} {'regs':>4s} {'spill st/ld':>11s} {'stack':>5s}")
+    print(f"{'arch':7s} {'preset':12s} {'shape':8s} {'kernel':24s} {'regs':>4s} {'spill st/ld':>11s} {'stack':>5s} "
+          f"{'smem':>6s}")
     for arch in args.arch.split(","):
         for preset in args.presets.split(","):
             for shape in args.shapes.split(","):
@@ -108,7 +109,8 @@ def main(argv=None):
                     res = assemble(kernel, a, kw)
                     shown = f"{kw['BV']}x{kw['num_warps']}"
                     print(f"{arch:7s} {preset:12s} {shown:8s} {kernel.fn.__name__:24s} {res['registers']:4d} "
-                          f"{res['spill_stores']:5d}/{res['spill_loads']:<5d} {res['stack']:5d}", flush=True)
+                          f"{res['spill_stores']:5d}/{res['spill_loads']:<5d} {res['stack']:5d} {res['shared']:6d}",
+                          flush=True)
     launch.TUNING.clear()
 
 
