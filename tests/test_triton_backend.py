@@ -51,14 +51,19 @@ def _schedule(tr, rounds, rng):
         tr.decode([0, 2, -1, 1])
 
 
-@pytest.mark.parametrize("arch, fold", [("mamba2", "tensor_cores"), ("mamba2", "loop"), ("gdn", "loop")])
-def test_triton_s32_matches_float64_reference(arch, fold):
-    """Both Mamba-2 refresh folds (one tensor-core product, the default; token by token)."""
+@pytest.mark.parametrize("arch, variant", [("mamba2", "tensor_cores"), ("mamba2", "loop"), ("gdn", "loop"),
+                                           ("mamba2", "early_cursor"), ("gdn", "early_cursor")])
+def test_triton_s32_matches_float64_reference(arch, variant):
+    """Both Mamba-2 refresh folds (one tensor-core product, the default; token by token), and the
+    early-cursor experiment through decode and verify rounds."""
     from replayssm._triton import launch
 
     layer = TritonLayer(arch)
     tr = helpers.Tracker(layer, layer.cache(4, window=8, max_draft=4), seed=3)
-    launch.TUNING["refresh_dot"] = fold == "tensor_cores"
+    if variant == "early_cursor":
+        launch.TUNING["early_cursor"] = True
+    else:
+        launch.TUNING["refresh_dot"] = variant == "tensor_cores"
     try:
         _schedule(tr, rounds=10, rng=None)
     finally:
@@ -103,8 +108,9 @@ def test_triton_low_precision_agrees_with_torch_backend(arch, precision):
 @pytest.mark.parametrize("precision", ["s32_rs", "tp4_hi16_sr"])
 def test_split_refresh_launch_matches_the_fused_kernel_bit_for_bit(arch, precision):
     """The refresh in a launch of its own (launch.TUNING["split_refresh"]) computes the same
-    checkpoint and outputs as the fused step kernel, stochastic rounding included; the fused one
-    must differ once a refresh is skipped, so the comparison can fail."""
+    checkpoint and outputs as the fused step kernel, stochastic rounding included, and so does
+    the early-cursor experiment with either; the fused one must differ once a refresh is skipped,
+    so the comparison can fail."""
     from replayssm._triton import launch
 
     layer = TritonLayer(arch)
@@ -113,22 +119,24 @@ def test_split_refresh_launch_matches_the_fused_kernel_bit_for_bit(arch, precisi
     state = torch.randn(3, *layer.state_shape, generator=g)
     toks = [layer.tokens(g, 3, 1) for _ in range(7)]
     runs = []
-    for split in (False, True):
+    for tuning in (dict(split_refresh=False), dict(split_refresh=True), dict(split_refresh=True, early_cursor=True),
+                   dict(split_refresh=False, early_cursor=True)):
         cache = layer.cache(3, window=4, max_draft=2, precision=precision)
         cache.load_state(slots, state)
-        launch.TUNING["split_refresh"] = split
+        launch.TUNING.update(tuning)
         try:
             runs.append((torch.cat([layer.run(cache, slots, t, False) for t in toks]),
                          cache.state_dict()))  # cloned tensors
         finally:
             launch.TUNING.clear()
-    (y0, sd0), (y1, sd1) = runs
-    assert torch.equal(y0, y1)
-    assert sd0.keys() == sd1.keys()
+    (y0, sd0) = runs[0]
     used = slots[slots >= 0]  # the other rows were never written (uninitialized or NaN-poisoned)
-    for k in sd0:
-        same = torch.equal(sd0[k][used], sd1[k][used]) if torch.is_tensor(sd0[k]) else sd0[k] == sd1[k]
-        assert same, k
+    for y1, sd1 in runs[1:]:
+        assert torch.equal(y0, y1)
+        assert sd0.keys() == sd1.keys()
+        for k in sd0:
+            same = torch.equal(sd0[k][used], sd1[k][used]) if torch.is_tensor(sd0[k]) else sd0[k] == sd1[k]
+            assert same, k
     # teeth: the split run really launched the refresh kernel and a step kernel without refresh code
     names = []
     launch.TUNING["split_refresh"] = True

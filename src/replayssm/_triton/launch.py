@@ -16,6 +16,7 @@ which other programs of launch 3 are still folding. Every launch goes through ``
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -114,7 +115,7 @@ def check_geometry(cache):
 
 
 #: Launch-shape overrides, for benchmark sweeps: {"block_rows": int, "num_warps": int,
-#: "refresh_dot": bool, "split_refresh": bool}.
+#: "refresh_dot": bool, "split_refresh": bool, "early_cursor": bool}.
 TUNING: dict = {}
 
 #: (rows of a head per program, warps per program, Mamba-2 refresh on tensor cores) by
@@ -136,11 +137,23 @@ SHAPES = {("mamba2", "fp32"): (32, 2, True), ("mamba2", "fp16"): (32, 2, True),
 def parse_shape(text: str) -> dict:
     """``TUNING`` overrides from a benchmark's shape label: "32x4" = 32 rows per program, 4 warps;
     suffix ``d`` = refresh fold on tensor cores (else the token loop), ``s`` = split refresh (else
-    fused). E.g. "32x4ds"."""
-    base = text.rstrip("ds")
+    fused), ``e`` = early cursor. E.g. "32x4ds"."""
+    base = text.rstrip("dse")
     rows, warps = map(int, base.split("x"))
     flags = text[len(base):]
-    return dict(block_rows=rows, num_warps=warps, refresh_dot="d" in flags, split_refresh="s" in flags)
+    return dict(block_rows=rows, num_warps=warps, refresh_dot="d" in flags, split_refresh="s" in flags,
+                early_cursor="e" in flags)
+
+
+def cursor_args(cache, slots) -> tuple:
+    """(cursors tensor, EARLY_CURSOR) for the kernels of one step. With ``TUNING["early_cursor"]``
+    (an experiment, off by default: not yet timed on a GPU) the scores launch copies each batch
+    row's committed count into a [b] int32 scratch that the refresh and step kernels read by batch
+    row, so their state and window loads wait on the slot id alone instead of slot id then cursor.
+    The same counts either way, so the same bits (tested)."""
+    if TUNING.get("early_cursor", False):
+        return torch.empty(slots.shape[0], dtype=cache.committed.dtype, device=slots.device), True
+    return cache.committed, False  # never read through this argument
 
 
 def launch_shape(cache, arch: str) -> tuple[int, int, bool]:

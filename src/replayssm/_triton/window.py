@@ -24,6 +24,26 @@ def cursor(committed_ptr, valid, row, T: tl.constexpr, L: tl.constexpr):
 
 
 @triton.jit
+def early_cursor(cursors_ptr, pid_b, EARLY: tl.constexpr):
+    """With EARLY, batch row ``pid_b``'s committed count as the scores launch copied it: a load
+    that does not wait for the slot id, so the read copy and window loads wait on one round trip
+    instead of two. Otherwise a placeholder for ``cursor_of``."""
+    if EARLY:
+        return tl.load(cursors_ptr + pid_b)
+    else:
+        return 0
+
+
+@triton.jit
+def cursor_of(committed_ptr, h_early, valid, row, T: tl.constexpr, L: tl.constexpr, EARLY: tl.constexpr):
+    """(committed count h, refresh due) of a storage row, from ``early_cursor`` or loaded here."""
+    if EARLY:
+        return h_early, valid & (h_early + T > L)
+    else:
+        return cursor(committed_ptr, valid, row, T, L)
+
+
+@triton.jit
 def slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T: tl.constexpr, L: tl.constexpr):
     """(valid, storage row, committed count h, refresh due) of batch row ``pid_b``."""
     valid, row = slot_row(slots_ptr, pid_b, SCRATCH)

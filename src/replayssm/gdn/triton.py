@@ -27,15 +27,15 @@ import triton.language as tl
 
 from .._triton import launch
 from .._triton.decay import segment_to
-from .._triton.window import cursor, slot_cursor, slot_row, window_rows, window_scalars
+from .._triton.window import cursor_of, early_cursor, slot_cursor, slot_row, window_rows, window_scalars
 from .._triton.formats import anchor_rows, load_query, load_read, load_tile, matvec, write_checkpoint
 
 
 
 @triton.jit
-def _gdn_scores_kernel(slots_ptr, committed_ptr, bk_ptr, k_ptr, q_ptr, kn_ptr, qn_ptr, scores_ptr, scale,
+def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_ptr, kn_ptr, qn_ptr, scores_ptr, scale,
                        SCRATCH, HK, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr,
-                       NORM: tl.constexpr):
+                       NORM: tl.constexpr, EARLY_CURSOR: tl.constexpr):
     """Once per (batch row, key head): the T new keys and queries prepared in fp32 (L2-normalized
     when NORM, as flash-linear-attention's l2norm, queries times ``scale``) into kn, qn [b, T, HK, K]
     for the other launches; then scores[b, kh, 0, s, j] = k_j . q_s and scores[b, kh, 1, s, j] =
@@ -53,6 +53,8 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, bk_ptr, k_ptr, q_ptr, kn_ptr, q
         tl.store(qn_ptr + at, q * scale)
     tl.debug_barrier()  # the rows just written are read back by other threads of the program
     _, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
+    if EARLY_CURSOR and khead == 0:  # for the later launches of this step (window.early_cursor)
+        tl.store(cursors_ptr + pid_b, h)
     h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
     j = tl.arange(0, LP)
     K = window_rows(bk_ptr, kn_ptr, row, pid_b, h, khead, HK, ck, DK, T, L, LP)
@@ -87,17 +89,18 @@ def _fold(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, khead, h, rv, HV, HK,
 
 @triton.jit
 def _gdn_refresh_kernel(
-        slots_ptr, committed_ptr, tokens_ptr, seeds_ptr,
+        slots_ptr, committed_ptr, cursors_ptr, tokens_ptr, seeds_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
         bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, SCRATCH, HV, HK,
         T: tl.constexpr, L: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
-        SHARED: tl.constexpr):
+        SHARED: tl.constexpr, EARLY_CURSOR: tl.constexpr):
     """The refresh alone (the step kernel then runs with FUSED_REFRESH=False): programs of slots
     that do not refresh this step exit after two loads."""
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    h_early = early_cursor(cursors_ptr, pid_b, EARLY_CURSOR)
     valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
-    h, need = cursor(committed_ptr, valid, row, T, L)
+    h, need = cursor_of(committed_ptr, h_early, valid, row, T, L, EARLY_CURSOR)
     if need:
         mat = row * HV + head
         gidx = mat * (DV // BV) + pid_v
@@ -112,7 +115,7 @@ def _gdn_refresh_kernel(
 
 @triton.jit
 def _gdn_step_kernel(
-        slots_ptr, committed_ptr, tokens_ptr, seeds_ptr,
+        slots_ptr, committed_ptr, cursors_ptr, tokens_ptr, seeds_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
         bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, bu_ptr,
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, scores_ptr, o_ptr,
@@ -120,9 +123,10 @@ def _gdn_step_kernel(
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
-        SHARED: tl.constexpr, FUSED_REFRESH: tl.constexpr):
+        SHARED: tl.constexpr, FUSED_REFRESH: tl.constexpr, EARLY_CURSOR: tl.constexpr):
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    h_early = early_cursor(cursors_ptr, pid_b, EARLY_CURSOR)
     valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
     khead = head // (HV // HK)
     mat = row * HV + head
@@ -134,7 +138,7 @@ def _gdn_step_kernel(
     # the read copy in its own layout (the anchor itself when shared), issued before the cursor
     # load so that the two latencies overlap; a refreshing program replaces it below
     ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
-    h, need = cursor(committed_ptr, valid, row, T, L)
+    h, need = cursor_of(committed_ptr, h_early, valid, row, T, L, EARLY_CURSOR)
 
     if FUSED_REFRESH:
         if need:  # refresh: re-solve the committed residuals from the anchor, token by token
@@ -193,21 +197,24 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     scores = torch.empty(b, HK, 2, T, LP, dtype=torch.float32, device=v.device)
     kn = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     qn = torch.empty_like(kn)
-    launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, buf["k"], k, q, kn, qn, scores, float(scale),
-               cache.scratch_row, HK, T=T, L=cache.window, LP=LP, DK=cache.head_k_dim, NORM=normalize)
+    cursors, early = launch.cursor_args(cache, slots)
+    launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], k, q, kn, qn, scores,
+               float(scale), cache.scratch_row, HK, T=T, L=cache.window, LP=LP, DK=cache.head_k_dim, NORM=normalize,
+               EARLY_CURSOR=early)
     q, k = qn, kn
     grid = (V // bv, HV, b)
     if split:
-        launch.run(_gdn_refresh_kernel, grid, slots, cache.committed, cache.tokens, cache.seeds, *anchor, *read,
-                   buf["k"], buf["v"], buf["g"], buf["beta"], cache.scratch_row, HV, HK,
-                   T=T, L=cache.window, DV=V, DK=cache.head_k_dim, BV=bv, num_warps=warps, **consts)
+        launch.run(_gdn_refresh_kernel, grid, slots, cache.committed, cursors, cache.tokens, cache.seeds, *anchor,
+                   *read, buf["k"], buf["v"], buf["g"], buf["beta"], cache.scratch_row, HV, HK,
+                   T=T, L=cache.window, DV=V, DK=cache.head_k_dim, BV=bv, EARLY_CURSOR=early, num_warps=warps,
+                   **consts)
     launch.run(
         _gdn_step_kernel, grid,
-        slots, cache.committed, cache.tokens, cache.seeds, *anchor, *read,
+        slots, cache.committed, cursors, cache.tokens, cache.seeds, *anchor, *read,
         buf["k"], buf["v"], buf["g"], buf["beta"], buf["u"],
         q, k, v, g, beta, scores, o, cache.scratch_row, HV, HK,
         T=T, L=cache.window, LP=LP, DV=V,
-        DK=cache.head_k_dim, BV=bv, FUSED_REFRESH=not split,
+        DK=cache.head_k_dim, BV=bv, FUSED_REFRESH=not split, EARLY_CURSOR=early,
         num_warps=warps, **consts)
     launch.advance(cache, slots, T, commit, {"k": k, "g": g, "beta": beta})
     return o

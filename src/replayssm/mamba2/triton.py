@@ -25,16 +25,17 @@ import triton.language as tl
 
 from .._triton import launch
 from .._triton.decay import segment_to, suffix_sums
-from .._triton.window import cursor, slot_cursor, slot_row, window_rows, window_scalars
+from .._triton.window import cursor_of, early_cursor, slot_cursor, slot_row, window_rows, window_scalars
 from .._triton.formats import anchor_rows, load_query, load_read, load_tile, matvec, write_checkpoint
 
 
 
 @triton.jit
-def _mamba2_scores_kernel(slots_ptr, committed_ptr, bB_ptr, B_ptr, C_ptr, scores_ptr,
+def _mamba2_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bB_ptr, B_ptr, C_ptr, scores_ptr,
                           dt_ptr, bias_ptr, A_ptr, dtn_ptr, la_ptr, SCRATCH, H, G,
                           T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr,
-                          HG: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
+                          HG: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+                          EARLY_CURSOR: tl.constexpr):
     """Once per (batch row, group): the T new tokens' step sizes of the group's heads prepared in
     fp32 into dtn = softplus(dt + dt_bias) and la = A * dtn [b, T, H] for the other launches; then
     scores[b, g, s, j] = B_j . C_s over the entries a query sees (committed + new), so the
@@ -55,6 +56,8 @@ def _mamba2_scores_kernel(slots_ptr, committed_ptr, bB_ptr, B_ptr, C_ptr, scores
         tl.store(dtn_ptr + at, d, mask=mine)
         tl.store(la_ptr + at, A * d, mask=mine)
     _, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
+    if EARLY_CURSOR and group == 0:  # for the later launches of this step (window.early_cursor)
+        tl.store(cursors_ptr + pid_b, h)
     h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
     j = tl.arange(0, LP)
     ck = tl.arange(0, DK)
@@ -94,18 +97,19 @@ def _fold(S, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, row, head, group, h, rv, H, G, L:
 
 @triton.jit
 def _mamba2_refresh_kernel(
-        slots_ptr, committed_ptr, tokens_ptr, seeds_ptr,
+        slots_ptr, committed_ptr, cursors_ptr, tokens_ptr, seeds_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
         bx_ptr, bdt_ptr, bla_ptr, bB_ptr, SCRATCH, H, G,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
-        SHARED: tl.constexpr, REFRESH_DOT: tl.constexpr):
+        SHARED: tl.constexpr, REFRESH_DOT: tl.constexpr, EARLY_CURSOR: tl.constexpr):
     """The refresh alone (the step kernel then runs with FUSED_REFRESH=False): programs of slots
     that do not refresh this step exit after two loads."""
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    h_early = early_cursor(cursors_ptr, pid_b, EARLY_CURSOR)
     valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
-    h, need = cursor(committed_ptr, valid, row, T, L)
+    h, need = cursor_of(committed_ptr, h_early, valid, row, T, L, EARLY_CURSOR)
     if need:
         mat = row * H + head
         gidx = mat * (DV // BV) + pid_v
@@ -121,7 +125,7 @@ def _mamba2_refresh_kernel(
 
 @triton.jit
 def _mamba2_step_kernel(
-        slots_ptr, committed_ptr, tokens_ptr, seeds_ptr,
+        slots_ptr, committed_ptr, cursors_ptr, tokens_ptr, seeds_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
         bx_ptr, bdt_ptr, bla_ptr, bB_ptr,
         x_ptr, dt_ptr, la_ptr, C_ptr, D_ptr, z_ptr, scores_ptr, y_ptr,
@@ -130,9 +134,10 @@ def _mamba2_step_kernel(
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, REFRESH_DOT: tl.constexpr,
-        FUSED_REFRESH: tl.constexpr):
+        FUSED_REFRESH: tl.constexpr, EARLY_CURSOR: tl.constexpr):
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    h_early = early_cursor(cursors_ptr, pid_b, EARLY_CURSOR)
     valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
     group = head // (H // G)
     mat = row * H + head
@@ -144,7 +149,7 @@ def _mamba2_step_kernel(
     # the read copy in its own layout (the anchor itself when shared), issued before the cursor
     # load so that the two latencies overlap; a refreshing program replaces it below
     ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
-    h, need = cursor(committed_ptr, valid, row, T, L)
+    h, need = cursor_of(committed_ptr, h_early, valid, row, T, L, EARLY_CURSOR)
 
     if FUSED_REFRESH:
         if need:  # refresh: fold the h committed entries into a new checkpoint, from the anchor
@@ -204,25 +209,27 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     G = cache.ngroups
     dt_in, dt = dt, torch.empty(b, T, H, dtype=torch.float32, device=x.device)
     log_alpha = torch.empty_like(dt)
-    launch.run(_mamba2_scores_kernel, (b, G), slots, cache.committed, buf["B"], B, C, scores,
+    cursors, early = launch.cursor_args(cache, slots)
+    launch.run(_mamba2_scores_kernel, (b, G), slots, cache.committed, cursors, buf["B"], B, C, scores,
                dt_in, dt_in if dt_bias is None else dt_bias.contiguous(), A, dt, log_alpha, cache.scratch_row, H, G,
                T=T, L=cache.window, LP=LP, DK=cache.dstate, HG=triton.next_power_of_2(H // G),
-               HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus))
+               HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), EARLY_CURSOR=early)
     grid = (P // bv, H, b)
     if split:
-        launch.run(_mamba2_refresh_kernel, grid, slots, cache.committed, cache.tokens, cache.seeds, *anchor, *read,
+        launch.run(_mamba2_refresh_kernel, grid, slots, cache.committed, cursors, cache.tokens, cache.seeds, *anchor,
+                   *read,
                    buf["x"], buf["dt"], buf["log_alpha"], buf["B"], cache.scratch_row, H, cache.ngroups,
                    T=T, L=cache.window, LP=LP, DV=P, DK=cache.dstate, BV=bv, REFRESH_DOT=refresh_dot,
-                   num_warps=warps, **consts)
+                   EARLY_CURSOR=early, num_warps=warps, **consts)
     launch.run(
         _mamba2_step_kernel, grid,
-        slots, cache.committed, cache.tokens, cache.seeds, *anchor, *read,
+        slots, cache.committed, cursors, cache.tokens, cache.seeds, *anchor, *read,
         buf["x"], buf["dt"], buf["log_alpha"], buf["B"],
         x, dt, log_alpha, C, x if D is None else D, x if z is None else z, scores, y,
         cache.scratch_row, H, cache.ngroups,
         T=T, L=cache.window, LP=LP, DV=P,
         DK=cache.dstate, BV=bv, HAS_D=D is not None, HAS_Z=z is not None,
-        REFRESH_DOT=refresh_dot, FUSED_REFRESH=not split,
+        REFRESH_DOT=refresh_dot, FUSED_REFRESH=not split, EARLY_CURSOR=early,
         num_warps=warps,
         **consts)
     launch.advance(cache, slots, T, commit, {"dt": dt, "log_alpha": log_alpha, "B": B})
