@@ -52,16 +52,17 @@ def _schedule(tr, rounds, rng):
 
 
 @pytest.mark.parametrize("arch, variant", [("mamba2", "tensor_cores"), ("mamba2", "loop"), ("gdn", "loop"),
-                                           ("mamba2", "early_cursor"), ("gdn", "early_cursor")])
+                                           ("mamba2", "early_cursor"), ("gdn", "early_cursor"),
+                                           ("mamba2", "output_dot"), ("gdn", "output_dot")])
 def test_triton_s32_matches_float64_reference(arch, variant):
     """Both Mamba-2 refresh folds (one tensor-core product, the default; token by token), and the
-    early-cursor experiment through decode and verify rounds."""
+    early-cursor and output-product experiments, through decode and verify rounds."""
     from replayssm._triton import launch
 
     layer = TritonLayer(arch)
     tr = helpers.Tracker(layer, layer.cache(4, window=8, max_draft=4), seed=3)
-    if variant == "early_cursor":
-        launch.TUNING["early_cursor"] = True
+    if variant in ("early_cursor", "output_dot"):
+        launch.TUNING[variant] = True
     else:
         launch.TUNING["refresh_dot"] = variant == "tensor_cores"
     try:
@@ -149,6 +150,40 @@ def test_split_refresh_launch_matches_the_fused_kernel_bit_for_bit(arch, precisi
         launch.TUNING.clear()
         launch.LAUNCHER = launch._launch
     assert (f"_{arch}_refresh_kernel", None) in names and (f"_{arch}_step_kernel", False) in names
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
+@pytest.mark.parametrize("precision", ["tp8_hi32", "f4_sr_rs"])
+def test_output_products_on_tensor_cores_keep_the_anchor_and_the_outputs(arch, precision):
+    """launch.TUNING["output_dot"] (the read-copy products of a step's queries as one tensor-core
+    product over the dequantized read copy) changes only the outputs' last bits: block-scaled
+    read copies decode to the same values, and the anchor never sees the read path."""
+    from replayssm._triton import launch
+
+    layer = TritonLayer(arch)
+    g = helpers.generator(13)
+    slots = torch.tensor([1, -1, 0])
+    state = torch.randn(3, *layer.state_shape, generator=g)
+    toks = [layer.tokens(g, 3, 2 if i % 3 == 2 else 1) for i in range(9)]
+    runs = []
+    for dot in (False, True):
+        cache = layer.cache(3, window=4, max_draft=2, precision=precision)
+        cache.load_state(slots, state)
+        launch.TUNING["output_dot"] = dot
+        try:
+            ys = []
+            for tok in toks:
+                verify = tok[next(iter(tok))].shape[1] > 1
+                ys.append(layer.run(cache, slots, tok, verify).flatten())
+                if verify:
+                    cache.accept(slots, torch.tensor([2, 0, 1]))
+            runs.append((torch.cat(ys), cache.materialize(slots)))
+        finally:
+            launch.TUNING.clear()
+    (y0, a0), (y1, a1) = runs
+    assert not torch.equal(y0, y1)  # the products really took the other path
+    assert (y0 - y1).abs().max() <= 1e-5 * y0.abs().max()
+    assert torch.equal(a0[[0, 2]], a1[[0, 2]])
 
 
 @pytest.mark.parametrize("arch", ["mamba2", "gdn"])

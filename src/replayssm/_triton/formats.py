@@ -243,6 +243,31 @@ def matvec(va, vb, sc, qa, qb, FMT: tl.constexpr):
 
 
 @triton.jit
+def dequantize(va, vb, sc, FMT: tl.constexpr):
+    """``load_read``'s parts as one fp32 tile [BV, DK] (values times their scales)."""
+    if FMT <= 2:
+        return va
+    elif FMT == 3:
+        return tl.reshape(va * sc[:, :, None], (va.shape[0], va.shape[1] * 32))
+    else:  # even and odd elements of each 16-element block interleaved back
+        both = tl.join(va * sc[:, :, None], vb * sc[:, :, None])  # [BV, DK/16, 8, 2]
+        return tl.reshape(both, (va.shape[0], va.shape[1] * 16))
+
+
+@triton.jit
+def products_on_tensor_cores(va, vb, sc, Q, FMT: tl.constexpr):
+    """S_read Q^T [BV, QP] for query rows Q [QP, DK] fp32, as one 3-pass-tf32 tensor-core product
+    instead of QP row reductions across threads; ``column`` takes one query's column out."""
+    return tl.dot(dequantize(va, vb, sc, FMT), tl.trans(Q), input_precision="tf32x3")
+
+
+@triton.jit
+def column(Y, c):
+    """Column ``c`` of Y [BV, QP] as [BV]."""
+    return tl.sum(tl.where(tl.arange(0, Y.shape[1])[None, :] == c, Y, 0.0), 1)
+
+
+@triton.jit
 def write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
                      seed, tokens, DV: tl.constexpr, DK: tl.constexpr, A_FMT: tl.constexpr,
                      A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr):

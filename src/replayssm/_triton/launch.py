@@ -115,7 +115,11 @@ def check_geometry(cache):
 
 
 #: Launch-shape overrides, for benchmark sweeps: {"block_rows": int, "num_warps": int,
-#: "refresh_dot": bool, "split_refresh": bool, "early_cursor": bool}.
+#: "refresh_dot": bool, "split_refresh": bool, "early_cursor": bool, "output_dot": bool}. The last
+#: two are experiments, off until timed on a GPU: ``cursor_args``; and ``output_dot``, the step
+#: kernels' S_read q products for all queries of a step as one 3-pass-tf32 tensor-core product
+#: instead of one cross-thread row reduction per query (the reductions are most of the kernels'
+#: shuffle instructions), which changes output bits at the ~1e-7 level.
 TUNING: dict = {}
 
 #: (rows of a head per program, warps per program, Mamba-2 refresh on tensor cores) by
@@ -137,12 +141,12 @@ SHAPES = {("mamba2", "fp32"): (32, 2, True), ("mamba2", "fp16"): (32, 2, True),
 def parse_shape(text: str) -> dict:
     """``TUNING`` overrides from a benchmark's shape label: "32x4" = 32 rows per program, 4 warps;
     suffix ``d`` = refresh fold on tensor cores (else the token loop), ``s`` = split refresh (else
-    fused), ``e`` = early cursor. E.g. "32x4ds"."""
-    base = text.rstrip("dse")
+    fused), ``e`` = early cursor, ``o`` = outputs' read-copy products on tensor cores. E.g. "32x4ds"."""
+    base = text.rstrip("dseo")
     rows, warps = map(int, base.split("x"))
     flags = text[len(base):]
     return dict(block_rows=rows, num_warps=warps, refresh_dot="d" in flags, split_refresh="s" in flags,
-                early_cursor="e" in flags)
+                early_cursor="e" in flags, output_dot="o" in flags)
 
 
 def cursor_args(cache, slots) -> tuple:

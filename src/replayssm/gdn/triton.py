@@ -28,7 +28,8 @@ import triton.language as tl
 from .._triton import launch
 from .._triton.decay import segment_to
 from .._triton.window import cursor_of, early_cursor, slot_cursor, slot_row, window_rows, window_scalars
-from .._triton.formats import anchor_rows, load_query, load_read, load_tile, matvec, write_checkpoint
+from .._triton.formats import (anchor_rows, column, load_query, load_read, load_tile, matvec, products_on_tensor_cores,
+                               write_checkpoint)
 
 
 
@@ -123,7 +124,8 @@ def _gdn_step_kernel(
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
-        SHARED: tl.constexpr, FUSED_REFRESH: tl.constexpr, EARLY_CURSOR: tl.constexpr):
+        SHARED: tl.constexpr, FUSED_REFRESH: tl.constexpr, EARLY_CURSOR: tl.constexpr, OUTPUT_DOT: tl.constexpr,
+        QP: tl.constexpr):
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h_early = early_cursor(cursors_ptr, pid_b, EARLY_CURSOR)
@@ -152,6 +154,11 @@ def _gdn_step_kernel(
     old = j < h
     g = window_scalars(bg_ptr, g_ptr, row, pid_b, h, head, HV, T, L, LP)
     U = tl.load(bu_ptr + (buf_tok[None, :] * HV + head) * DV + rv[:, None], mask=old[None, :], other=0.0)
+    if OUTPUT_DOT:  # every S_read k_s and S_read q_s of the step in one tensor-core product (experiment)
+        r = tl.arange(0, QP)[:, None]
+        at = ((pid_b * T + r % T) * HK + khead) * DK + ck[None, :]
+        Q = tl.where(r < T, tl.load(k_ptr + at, mask=r < 2 * T, other=0.0), tl.load(q_ptr + at, mask=r < 2 * T, other=0.0))
+        SQ = products_on_tensor_cores(ra, rb, rsc, Q, R_FMT)  # columns: k_0..k_{T-1}, q_0..q_{T-1}
     for s in tl.static_range(T):
         t = h + s
         tok_in = pid_b * T + s
@@ -163,15 +170,23 @@ def _gdn_step_kernel(
         base = ((pid_b * HK + khead) * 2 * T + s) * LP
         before = tl.where(j < t, tl.exp(tl.where(j < t, seg, float("-inf"))), 0.0) * \
             tl.load(scores_ptr + base + T * LP + j)
-        ka, kb = load_query(k_ptr + (tok_in * HK + khead) * DK, DK, R_FMT)
-        Sk = tl.exp(c_t) * matvec(ra, rb, rsc, ka, kb, R_FMT) + tl.sum(U * before[None, :], 1)
+        if OUTPUT_DOT:
+            Sk_read = column(SQ, s)
+        else:
+            ka, kb = load_query(k_ptr + (tok_in * HK + khead) * DK, DK, R_FMT)
+            Sk_read = matvec(ra, rb, rsc, ka, kb, R_FMT)
+        Sk = tl.exp(c_t) * Sk_read + tl.sum(U * before[None, :], 1)
         u_s = tl.load(beta_ptr + tok_in * HV + head) * (v_s.to(tl.float32) - Sk)
         U = tl.where(j[None, :] == t, u_s[:, None], U)
         # output o_s = S_t q_s = gamma_t S_read q_s + sum_{j <= t} gamma_{j+1:t} (k_j . q_s) u_j
-        qa, qb = load_query(q_ptr + (tok_in * HK + khead) * DK, DK, R_FMT)
+        if OUTPUT_DOT:
+            Sq_read = column(SQ, T + s)
+        else:
+            qa, qb = load_query(q_ptr + (tok_in * HK + khead) * DK, DK, R_FMT)
+            Sq_read = matvec(ra, rb, rsc, qa, qb, R_FMT)
         upto = tl.where(j <= t, tl.exp(tl.where(j <= t, seg, float("-inf"))), 0.0) * \
             tl.load(scores_ptr + base + j)
-        o = tl.exp(c_t) * matvec(ra, rb, rsc, qa, qb, R_FMT) + tl.sum(U * upto[None, :], 1)
+        o = tl.exp(c_t) * Sq_read + tl.sum(U * upto[None, :], 1)
         tl.store(o_ptr + (tok_in * HV + head) * DV + rv, tl.where(valid, o, 0.0))
         tl.store(bv_ptr + (tok_buf * HV + head) * DV + rv, v_s)  # rows only this program reads
         tl.store(bu_ptr + (tok_buf * HV + head) * DV + rv, u_s)
@@ -215,6 +230,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
         q, k, v, g, beta, scores, o, cache.scratch_row, HV, HK,
         T=T, L=cache.window, LP=LP, DV=V,
         DK=cache.head_k_dim, BV=bv, FUSED_REFRESH=not split, EARLY_CURSOR=early,
+        OUTPUT_DOT=launch.TUNING.get("output_dot", False), QP=max(16, triton.next_power_of_2(2 * T)),
         num_warps=warps, **consts)
     launch.advance(cache, slots, T, commit, {"k": k, "g": g, "beta": beta})
     return o

@@ -26,7 +26,8 @@ import triton.language as tl
 from .._triton import launch
 from .._triton.decay import segment_to, suffix_sums
 from .._triton.window import cursor_of, early_cursor, slot_cursor, slot_row, window_rows, window_scalars
-from .._triton.formats import anchor_rows, load_query, load_read, load_tile, matvec, write_checkpoint
+from .._triton.formats import (anchor_rows, column, load_query, load_read, load_tile, matvec, products_on_tensor_cores,
+                               write_checkpoint)
 
 
 
@@ -134,7 +135,7 @@ def _mamba2_step_kernel(
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, REFRESH_DOT: tl.constexpr,
-        FUSED_REFRESH: tl.constexpr, EARLY_CURSOR: tl.constexpr):
+        FUSED_REFRESH: tl.constexpr, EARLY_CURSOR: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr):
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h_early = early_cursor(cursors_ptr, pid_b, EARLY_CURSOR)
@@ -165,14 +166,23 @@ def _mamba2_step_kernel(
     la = window_scalars(bla_ptr, la_ptr, row, pid_b, h, head, H, T, L, LP)
     dt = window_scalars(bdt_ptr, dt_ptr, row, pid_b, h, head, H, T, L, LP)
     X = window_rows(bx_ptr, x_ptr, row, pid_b, h, head, H, rv, DV, T, L, LP)  # [LP, BV]
+    if OUTPUT_DOT:  # every S_read C_s of the step in one tensor-core product (experiment)
+        r = tl.arange(0, QP)
+        Q = tl.load(C_ptr + ((pid_b * T + r[:, None]) * G + group) * DK + ck[None, :], mask=(r < T)[:, None],
+                    other=0.0).to(tl.float32)
+        SQ = products_on_tensor_cores(ra, rb, rsc, Q, R_FMT)
     for s in tl.static_range(T):  # y_s = gamma_t S_read q + sum_j gamma_{j+1:t} dt_j (k_j . q) x_j
         t = h + s
         q_tok = pid_b * T + s
-        qa, qb = load_query(C_ptr + (q_tok * G + group) * DK, DK, R_FMT)
+        if OUTPUT_DOT:
+            sq = column(SQ, s)
+        else:
+            qa, qb = load_query(C_ptr + (q_tok * G + group) * DK, DK, R_FMT)
+            sq = matvec(ra, rb, rsc, qa, qb, R_FMT)
         seen = j <= t
         decay = tl.exp(tl.where(seen, segment_to(la, t), float("-inf")))  # masked before exp
         w = decay * dt * tl.load(scores_ptr + ((pid_b * G + group) * T + s) * LP + j)  # [LP]
-        y = tl.exp(tl.sum(tl.where(seen, la, 0.0), 0)) * matvec(ra, rb, rsc, qa, qb, R_FMT)
+        y = tl.exp(tl.sum(tl.where(seen, la, 0.0), 0)) * sq
         y += tl.sum(X * w[:, None], 0)
         out = (q_tok * H + head) * DV + rv
         if HAS_D or HAS_Z:
@@ -230,6 +240,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
         T=T, L=cache.window, LP=LP, DV=P,
         DK=cache.dstate, BV=bv, HAS_D=D is not None, HAS_Z=z is not None,
         REFRESH_DOT=refresh_dot, FUSED_REFRESH=not split, EARLY_CURSOR=early,
+        OUTPUT_DOT=launch.TUNING.get("output_dot", False), QP=max(16, triton.next_power_of_2(T)),
         num_warps=warps,
         **consts)
     launch.advance(cache, slots, T, commit, {"dt": dt, "log_alpha": log_alpha, "B": B})
