@@ -52,11 +52,13 @@ def _schedule(tr, rounds, rng):
 
 
 @pytest.mark.parametrize("arch, variant", [("mamba2", "tensor_cores"), ("mamba2", "loop"), ("gdn", "loop"),
+                                           ("gdn", "tensor_cores"), ("gdn", "tensor_cores_split"),
                                            ("mamba2", "early_cursor"), ("gdn", "early_cursor"),
                                            ("mamba2", "output_dot"), ("gdn", "output_dot")])
 def test_triton_s32_matches_float64_reference(arch, variant):
-    """Both Mamba-2 refresh folds (one tensor-core product, the default; token by token), and the
-    early-cursor and output-product experiments, through decode and verify rounds."""
+    """Both refresh folds (Mamba-2: one tensor-core product, the default, or token by token; GDN:
+    token by token, the default, or the matrix form on tensor cores), and the early-cursor and
+    output-product experiments, through decode and verify rounds."""
     from replayssm._triton import launch
 
     layer = TritonLayer(arch)
@@ -64,7 +66,8 @@ def test_triton_s32_matches_float64_reference(arch, variant):
     if variant in ("early_cursor", "output_dot"):
         launch.TUNING[variant] = True
     else:
-        launch.TUNING["refresh_dot"] = variant == "tensor_cores"
+        launch.TUNING["refresh_dot"] = variant.startswith("tensor_cores")
+        launch.TUNING["split_refresh"] = variant.endswith("split")
     try:
         _schedule(tr, rounds=10, rng=None)
     finally:

@@ -126,8 +126,9 @@ TUNING: dict = {}
 #: architecture and read-copy format: the fastest measured on an H200 at batch 256, staggered
 #: windows, real geometries, split refresh (benchmarks/sweep_shapes.py; BENCHMARKS.md has the
 #: sweeps). The refresh arithmetic must not depend on the read format (the anchor's bits may
-#: not), so Mamba-2 folds on tensor cores for every preset; GDN always runs the token loop (its
-#: matrix form on tensor cores measured 1.2-1.7x slower steps). For the same reason every
+#: not), so Mamba-2 folds on tensor cores for every preset; GDN runs the token loop (two matrix
+#: forms measured 1.2-1.7x slower steps; a third, with the inverse solved by the scores launch, is
+#: ``TUNING["refresh_dot"]`` and untimed). For the same reason every
 #: element-wise read format of an architecture shares one shape (GDN fp16 would gain 4% at 16x2),
 #: so the fold's summation order is the same; NVFP4 rows are one row block.
 SHAPES = {("mamba2", "fp32"): (32, 2, True), ("mamba2", "fp16"): (32, 2, True),

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .._triton import launch
-from .._triton.decay import segment_to
+from .._triton.decay import segment_to, suffix_sums
 from .._triton.window import cursor_of, early_cursor, slot_cursor, slot_row, window_rows, window_scalars
 from .._triton.formats import (anchor_rows, column, load_query, load_read, load_tile, matvec, products_on_tensor_cores,
                                write_checkpoint)
@@ -35,12 +35,15 @@ from .._triton.formats import (anchor_rows, column, load_query, load_read, load_
 
 @triton.jit
 def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_ptr, kn_ptr, qn_ptr, scores_ptr, scale,
-                       SCRATCH, HK, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr,
-                       NORM: tl.constexpr, EARLY_CURSOR: tl.constexpr):
+                       bg_ptr, bbeta_ptr, xinv_ptr, SCRATCH, HV, HK, T: tl.constexpr, L: tl.constexpr,
+                       LP: tl.constexpr, DK: tl.constexpr, NORM: tl.constexpr, EARLY_CURSOR: tl.constexpr,
+                       REFRESH_DOT: tl.constexpr, HVPK: tl.constexpr):
     """Once per (batch row, key head): the T new keys and queries prepared in fp32 (L2-normalized
     when NORM, as flash-linear-attention's l2norm, queries times ``scale``) into kn, qn [b, T, HK, K]
     for the other launches; then scores[b, kh, 0, s, j] = k_j . q_s and scores[b, kh, 1, s, j] =
-    k_j . k_s over the entries of the window (committed + new)."""
+    k_j . k_s over the entries of the window (committed + new). With REFRESH_DOT, for a slot that
+    refreshes, also xinv[b, head] = (I + M)^-1 [LP, LP] of each of the key head's HVPK value heads
+    (``_fold``), by forward substitution: the same for every row block, so solved once here."""
     pid_b, khead = tl.program_id(0), tl.program_id(1)
     ck = tl.arange(0, DK)
     for s in tl.static_range(T):
@@ -56,8 +59,27 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_p
     _, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
     if EARLY_CURSOR and khead == 0:  # for the later launches of this step (window.early_cursor)
         tl.store(cursors_ptr + pid_b, h)
-    h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
     j = tl.arange(0, LP)
+    if REFRESH_DOT:
+        if need:  # (I + M)^-1 of each of this key head's value heads, for the refresh's matrix form
+            old = j < h
+            K_c = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :], mask=old[:, None],
+                          other=0.0).to(tl.float32)
+            KK = tl.dot(K_c, tl.trans(K_c), input_precision="tf32x3")  # [LP, LP] k_i . k_j
+            r = j[:, None]
+            for vh in tl.static_range(HVPK):
+                head = khead * HVPK + vh
+                g_c = tl.load(bg_ptr + (row * L + j) * HV + head, mask=old, other=0.0)
+                beta_c = tl.load(bbeta_ptr + (row * L + j) * HV + head, mask=old, other=0.0)
+                X = tl.zeros((LP, LP), dtype=tl.float32)
+                for jj in tl.static_range(LP):  # row jj of X: e_jj - sum_{i < jj} M[jj, i] X[i, :]
+                    beta_j = tl.sum(tl.where(j == jj, beta_c, 0.0), 0)
+                    decay = tl.exp(tl.where(j < jj, segment_to(g_c, jj), float("-inf")))  # e^{g(i, jj]}
+                    m_row = beta_j * decay * tl.sum(tl.where(r == jj, KK, 0.0), 0)
+                    X = tl.where(r == jj, tl.where(j == jj, 1.0, 0.0)[None, :] - tl.sum(m_row[:, None] * X, 0)[None, :],
+                                 X)
+                tl.store(xinv_ptr + ((pid_b * HV + head) * LP + r) * LP + j[None, :], X)
+    h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
     K = window_rows(bk_ptr, kn_ptr, row, pid_b, h, khead, HK, ck, DK, T, L, LP)
     for s in tl.static_range(T):
         tok = pid_b * T + s
@@ -69,22 +91,43 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_p
 
 
 @triton.jit
-def _fold(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, khead, h, rv, HV, HK, L: tl.constexpr,
-          DV: tl.constexpr, DK: tl.constexpr):
-    """The new checkpoint's unrounded rows ``rv`` [BV, DK] from anchor rows S: the conventional
-    recurrence over the h committed tokens (S = alpha S; u = beta (v - S k); S += u k^T), which
-    re-solves their residuals from the anchor. Unrolled so that every token's buffer loads are
-    independent of S. (A triangular solve with tensor-core products instead measured 2-3x
-    slower: BENCHMARKS.md, launch-shape sweeps.)"""
+def _fold(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, xinv_ptr, row, pid_b, head, khead, h, rv, HV, HK,
+          L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DOT: tl.constexpr):
+    """The new checkpoint's unrounded rows ``rv`` [BV, DK] from anchor rows S, re-solving the h
+    committed tokens' residuals from the anchor (none past h).
+
+    Default: the conventional recurrence token by token (S = alpha S; u = beta (v - S k);
+    S += u k^T), unrolled so that every token's buffer loads are independent of S; its [BV, DK]
+    row reductions make it issue-bound. DOT (an experiment): DESIGN §2's triangular system in
+    matrix form, (I + M) u = beta (v - e^c (S k)) with M[j, i] = beta_j e^{g(i, j]} (k_i . k_j) for
+    i < j, whose inverse X [LP, LP] the scores launch solved once per (batch row, head) into
+    ``xinv``; then three tensor-core products (3-pass tf32): S K^T, R X^T, (U w) K."""
     ck = tl.arange(0, DK)
-    for jj in tl.static_range(L):
-        tok_j = row * L + jj
-        m = jj < h
-        kr = tl.load(bk_ptr + (tok_j * HK + khead) * DK + ck, mask=m & (ck < DK), other=0.0).to(tl.float32)
-        vr = tl.load(bv_ptr + (tok_j * HV + head) * DV + rv, mask=m & (rv < DV), other=0.0).to(tl.float32)
-        S = S * tl.exp(tl.load(bg_ptr + tok_j * HV + head, mask=m, other=0.0))
-        u = tl.load(bbeta_ptr + tok_j * HV + head, mask=m, other=0.0) * (vr - tl.sum(S * kr[None, :], 1))
-        S += u[:, None] * kr[None, :]
+    if DOT:
+        j = tl.arange(0, LP)
+        buf_tok = row * L + j
+        old = j < h
+        K_c = tl.load(bk_ptr + (buf_tok[:, None] * HK + khead) * DK + ck[None, :], mask=old[:, None],
+                      other=0.0).to(tl.float32)  # [LP, DK]
+        V_c = tl.load(bv_ptr + (buf_tok[None, :] * HV + head) * DV + rv[:, None], mask=old[None, :],
+                      other=0.0).to(tl.float32)  # [BV, LP]
+        g_c = tl.load(bg_ptr + buf_tok * HV + head, mask=old, other=0.0)
+        beta_c = tl.load(bbeta_ptr + buf_tok * HV + head, mask=old, other=0.0)  # 0 past h: u = 0 there
+        X = tl.load(xinv_ptr + ((pid_b * HV + head) * LP + j[:, None]) * LP + j[None, :])
+        c_j = tl.sum(tl.where(j[None, :] <= j[:, None], g_c[None, :], 0.0), 1)  # log decay through j
+        SK = tl.dot(S, tl.trans(K_c), input_precision="tf32x3")  # [BV, LP]: S_anchor k_j
+        U = tl.dot(beta_c[None, :] * (V_c - tl.exp(c_j)[None, :] * SK), tl.trans(X), input_precision="tf32x3")
+        w = tl.exp(suffix_sums(g_c, h))  # decay from each entry to the end of the history
+        S = S * tl.exp(tl.sum(g_c, 0)) + tl.dot(U * w[None, :], K_c, input_precision="tf32x3")
+    else:
+        for jj in tl.static_range(L):
+            tok_j = row * L + jj
+            m = jj < h
+            kr = tl.load(bk_ptr + (tok_j * HK + khead) * DK + ck, mask=m & (ck < DK), other=0.0).to(tl.float32)
+            vr = tl.load(bv_ptr + (tok_j * HV + head) * DV + rv, mask=m & (rv < DV), other=0.0).to(tl.float32)
+            S = S * tl.exp(tl.load(bg_ptr + tok_j * HV + head, mask=m, other=0.0))
+            u = tl.load(bbeta_ptr + tok_j * HV + head, mask=m, other=0.0) * (vr - tl.sum(S * kr[None, :], 1))
+            S += u[:, None] * kr[None, :]
     return S
 
 
@@ -92,10 +135,10 @@ def _fold(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, khead, h, rv, HV, HK,
 def _gdn_refresh_kernel(
         slots_ptr, committed_ptr, cursors_ptr, tokens_ptr, seeds_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
-        bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, SCRATCH, HV, HK,
-        T: tl.constexpr, L: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
-        A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
-        SHARED: tl.constexpr, EARLY_CURSOR: tl.constexpr):
+        bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, xinv_ptr, SCRATCH, HV, HK,
+        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
+        BV: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
+        SHARED: tl.constexpr, EARLY_CURSOR: tl.constexpr, REFRESH_DOT: tl.constexpr):
     """The refresh alone (the step kernel then runs with FUSED_REFRESH=False): programs of slots
     that do not refresh this step exit after two loads."""
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -108,7 +151,8 @@ def _gdn_refresh_kernel(
         rv = pid_v * BV + tl.arange(0, BV)
         ck = tl.arange(0, DK)
         S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
-        S = _fold(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, head // (HV // HK), h, rv, HV, HK, L, DV, DK)
+        S = _fold(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, xinv_ptr, row, pid_b, head, head // (HV // HK), h, rv, HV,
+                  HK, L, LP, DV, DK, REFRESH_DOT)
         write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
                          tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT, A_SR, R_FMT, R_SR,
                          SHARED)
@@ -118,14 +162,14 @@ def _gdn_refresh_kernel(
 def _gdn_step_kernel(
         slots_ptr, committed_ptr, cursors_ptr, tokens_ptr, seeds_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
-        bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, bu_ptr,
+        bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, bu_ptr, xinv_ptr,
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, scores_ptr, o_ptr,
         SCRATCH, HV, HK,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, FUSED_REFRESH: tl.constexpr, EARLY_CURSOR: tl.constexpr, OUTPUT_DOT: tl.constexpr,
-        QP: tl.constexpr):
+        QP: tl.constexpr, REFRESH_DOT: tl.constexpr):
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h_early = early_cursor(cursors_ptr, pid_b, EARLY_CURSOR)
@@ -145,7 +189,8 @@ def _gdn_step_kernel(
     if FUSED_REFRESH:
         if need:  # refresh: re-solve the committed residuals from the anchor, token by token
             S = anchor_rows(ra, av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT, R_FMT, SHARED)
-            S = _fold(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, khead, h, rv, HV, HK, L, DV, DK)
+            S = _fold(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, xinv_ptr, row, pid_b, head, khead, h, rv, HV, HK, L,
+                      LP, DV, DK, REFRESH_DOT)
             ra, rb, rsc = write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv,
                                            ck, tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT,
                                            A_SR, R_FMT, R_SR, SHARED)
@@ -204,7 +249,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     anchor, read, consts = launch.format_args(cache)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     o = torch.empty(b, T, HV, V, dtype=torch.float32, device=v.device)
-    bv, warps, _ = launch.launch_shape(cache, "gdn")
+    bv, warps, refresh_dot = launch.launch_shape(cache, "gdn")
     split = launch.split_refresh("gdn", b)
     buf = cache.buffer
     LP = max(16, triton.next_power_of_2(cache.window))
@@ -213,24 +258,26 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     kn = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     qn = torch.empty_like(kn)
     cursors, early = launch.cursor_args(cache, slots)
+    xinv = torch.empty(b, HV, LP, LP, dtype=torch.float32, device=v.device) if refresh_dot else scores
     launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], k, q, kn, qn, scores,
-               float(scale), cache.scratch_row, HK, T=T, L=cache.window, LP=LP, DK=cache.head_k_dim, NORM=normalize,
-               EARLY_CURSOR=early)
+               float(scale), buf["g"], buf["beta"], xinv, cache.scratch_row, HV, HK, T=T, L=cache.window, LP=LP,
+               DK=cache.head_k_dim, NORM=normalize, EARLY_CURSOR=early, REFRESH_DOT=refresh_dot, HVPK=HV // HK)
     q, k = qn, kn
     grid = (V // bv, HV, b)
     if split:
         launch.run(_gdn_refresh_kernel, grid, slots, cache.committed, cursors, cache.tokens, cache.seeds, *anchor,
-                   *read, buf["k"], buf["v"], buf["g"], buf["beta"], cache.scratch_row, HV, HK,
-                   T=T, L=cache.window, DV=V, DK=cache.head_k_dim, BV=bv, EARLY_CURSOR=early, num_warps=warps,
-                   **consts)
+                   *read, buf["k"], buf["v"], buf["g"], buf["beta"], xinv, cache.scratch_row, HV, HK,
+                   T=T, L=cache.window, LP=LP, DV=V, DK=cache.head_k_dim, BV=bv, EARLY_CURSOR=early,
+                   REFRESH_DOT=refresh_dot, num_warps=warps, **consts)
     launch.run(
         _gdn_step_kernel, grid,
         slots, cache.committed, cursors, cache.tokens, cache.seeds, *anchor, *read,
-        buf["k"], buf["v"], buf["g"], buf["beta"], buf["u"],
+        buf["k"], buf["v"], buf["g"], buf["beta"], buf["u"], xinv,
         q, k, v, g, beta, scores, o, cache.scratch_row, HV, HK,
         T=T, L=cache.window, LP=LP, DV=V,
         DK=cache.head_k_dim, BV=bv, FUSED_REFRESH=not split, EARLY_CURSOR=early,
         OUTPUT_DOT=launch.TUNING.get("output_dot", False), QP=max(16, triton.next_power_of_2(2 * T)),
+        REFRESH_DOT=refresh_dot,
         num_warps=warps, **consts)
     launch.advance(cache, slots, T, commit, {"k": k, "g": g, "beta": beta})
     return o
