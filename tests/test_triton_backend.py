@@ -54,7 +54,8 @@ def _schedule(tr, rounds, rng):
 @pytest.mark.parametrize("arch, variant", [("mamba2", "tensor_cores"), ("mamba2", "loop"), ("gdn", "loop"),
                                            ("gdn", "tensor_cores"), ("gdn", "tensor_cores_split"),
                                            ("mamba2", "early_cursor"), ("gdn", "early_cursor"),
-                                           ("mamba2", "output_dot"), ("gdn", "output_dot")])
+                                           ("mamba2", "output_dot"), ("gdn", "output_dot"),
+                                           ("mamba2", "all_experiments"), ("gdn", "all_experiments")])
 def test_triton_s32_matches_float64_reference(arch, variant):
     """Both refresh folds (Mamba-2: one tensor-core product, the default, or token by token; GDN:
     token by token, the default, or the matrix form on tensor cores), and the early-cursor and
@@ -65,6 +66,8 @@ def test_triton_s32_matches_float64_reference(arch, variant):
     tr = helpers.Tracker(layer, layer.cache(4, window=8, max_draft=4), seed=3)
     if variant in ("early_cursor", "output_dot"):
         launch.TUNING[variant] = True
+    elif variant == "all_experiments":  # as the next sweep will combine them
+        launch.TUNING.update(early_cursor=True, output_dot=True, refresh_dot=True, split_refresh=True)
     else:
         launch.TUNING["refresh_dot"] = variant.startswith("tensor_cores")
         launch.TUNING["split_refresh"] = variant.endswith("split")
