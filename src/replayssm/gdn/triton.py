@@ -258,6 +258,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     kn = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     qn = torch.empty_like(kn)
     cursors, early = launch.cursor_args(cache, slots)
+    # the matrix-form refresh's inverses, solved by the scores launch (a pointer never read otherwise)
     xinv = torch.empty(b, HV, LP, LP, dtype=torch.float32, device=v.device) if refresh_dot else scores
     launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], k, q, kn, qn, scores,
                float(scale), buf["g"], buf["beta"], xinv, cache.scratch_row, HV, HK, T=T, L=cache.window, LP=LP,
