@@ -6,13 +6,13 @@ A step is a fixed sequence of launches with no host synchronization in between:
    preparation and the dot products of the window's keys with the new queries;
 2. the refresh kernel (batch >= ``SPLIT_MIN_BATCH[arch]``; below, it is fused into 3): for
    the rows of slots whose window is full, fold, write anchor and read copy; other programs exit;
-3. the step kernel, one program per (block of state rows, head, batch row): outputs, and the new tokens' per-row buffer fields (x rows for Mamba-2; v and u
-   rows for GDN);
+3. the step kernel, one program per (block of state rows, head, batch row): outputs, and the
+   new tokens' per-row buffer fields (x rows for Mamba-2; v and u rows for GDN);
 4. ``advance_kernel``, one program per batch row: the new tokens' *shared* buffer fields (read by
    several programs of launch 3: B or k per group, dt/log decay/beta per head) and the cursors.
 
 Launch 4 must follow launch 3 because a refreshing slot writes its new tokens at positions 0..T-1,
-which other programs of launch 3 are still folding. Every launch goes through ``run``.
+which, with the refresh fused, other programs of launch 3 are still folding. Every launch goes through ``run``.
 """
 from __future__ import annotations
 
@@ -115,8 +115,9 @@ def check_geometry(cache):
 
 
 #: Launch-shape overrides, for benchmark sweeps: {"block_rows": int, "num_warps": int,
-#: "refresh_dot": bool, "split_refresh": bool, "early_cursor": bool, "output_dot": bool}. The last
-#: two are experiments, off until timed on a GPU: ``cursor_args``; and ``output_dot``, the step
+#: "refresh_dot": bool, "split_refresh": bool, "early_cursor": bool, "output_dot": bool}. Three
+#: are experiments, off until timed on a GPU: GDN's ``refresh_dot`` (``SHAPES``), ``early_cursor``
+#: (``cursor_args``) and ``output_dot``, the step
 #: kernels' S_read q products for all queries of a step as one 3-pass-tf32 tensor-core product
 #: instead of one cross-thread row reduction per query (the reductions are most of the kernels'
 #: shuffle instructions), which changes output bits at the ~1e-7 level.

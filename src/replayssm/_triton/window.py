@@ -44,6 +44,18 @@ def cursor_of(committed_ptr, h_early, valid, row, T: tl.constexpr, L: tl.constex
 
 
 @triton.jit
+def refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T: tl.constexpr, L: tl.constexpr,
+                    EARLY: tl.constexpr):
+    """A refresh kernel's program (row block, head, batch row): (pid_v, head, pid_b, storage row,
+    committed count h, refresh due). Programs whose slot does not refresh exit on ``need``."""
+    pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    h_early = early_cursor(cursors_ptr, pid_b, EARLY)
+    valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
+    h, need = cursor_of(committed_ptr, h_early, valid, row, T, L, EARLY)
+    return pid_v, head, pid_b, row, h, need
+
+
+@triton.jit
 def slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T: tl.constexpr, L: tl.constexpr):
     """(valid, storage row, committed count h, refresh due) of batch row ``pid_b``."""
     valid, row = slot_row(slots_ptr, pid_b, SCRATCH)

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .._triton import launch
 from .._triton.decay import segment_to, suffix_sums
-from .._triton.window import cursor_of, early_cursor, slot_cursor, slot_row, window_rows, window_scalars
+from .._triton.window import cursor_of, early_cursor, refresh_program, slot_cursor, slot_row, window_rows, window_scalars
 from .._triton.formats import (anchor_rows, column, load_query, load_read, load_tile, matvec, products_on_tensor_cores,
                                write_checkpoint)
 
@@ -141,10 +141,8 @@ def _gdn_refresh_kernel(
         SHARED: tl.constexpr, EARLY_CURSOR: tl.constexpr, REFRESH_DOT: tl.constexpr):
     """The refresh alone (the step kernel then runs with FUSED_REFRESH=False): programs of slots
     that do not refresh this step exit after two loads."""
-    pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    h_early = early_cursor(cursors_ptr, pid_b, EARLY_CURSOR)
-    valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
-    h, need = cursor_of(committed_ptr, h_early, valid, row, T, L, EARLY_CURSOR)
+    pid_v, head, pid_b, row, h, need = refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T, L,
+                                                       EARLY_CURSOR)
     if need:
         mat = row * HV + head
         gidx = mat * (DV // BV) + pid_v
