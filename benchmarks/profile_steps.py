@@ -3,7 +3,9 @@
     ncu --clock-control none -k regex:"step_kernel|conv_kernel" \
         python3 benchmarks/profile_steps.py mamba2:s32_rs gdn:conv ...
 
-Each argument is ``arch:preset`` (``conv`` = the conventional kernel). Nothing is timed here.
+Each argument is ``arch:preset[:mode[:shape]]`` (``conv`` = the conventional kernel; mode
+``staggered``, the default, or ``refresh``: every slot refreshes in every step; shape as
+``launch.parse_shape`` reads it). Nothing is timed here.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import sys
 
 import torch
 
+from replayssm._triton import launch
 from replayssm.bench import suite
 from replayssm.bench.suite import Problem
 
@@ -21,7 +24,7 @@ def main(argv):
     dev = "cuda"
     gen = torch.Generator(device=dev).manual_seed(0)
     for spec in argv:
-        arch, preset = spec.split(":")
+        arch, preset, mode, shape = (spec.split(":") + ["staggered", ""])[:4]
         p = Problem(arch, suite.GEOMETRIES[GEO[arch]][1], 256, 1)
         prm = suite.make_params(p, dev, gen)
         inp = suite.make_inputs(p, dev, gen)
@@ -33,12 +36,17 @@ def main(argv):
         else:
             cache = suite.make_cache(p, p.batch, preset, 16, 4, dev)
             cache.load_state(slots, torch.randn(p.batch, *cache.state_shape, device=dev, generator=gen) * 0.1)
-            for buf in cache.buffer.values():  # staggered: slot i holds i mod 16 committed entries
+            for buf in cache.buffer.values():
                 buf.copy_(torch.randn(buf.shape, device=dev, generator=gen) * 0.1)
-            cache.committed.copy_(torch.arange(cache.committed.numel(), device=dev) % 16)
+            # staggered: slot i holds 1 + i mod 16 committed entries, so 1/16 of the slots refresh
+            staggered = torch.arange(cache.committed.numel(), device=dev) % 16 + 1
             cache.check_values = False
+            launch.TUNING.clear()
+            launch.TUNING.update(launch.parse_shape(shape) if shape else {})
             for _ in range(3):
+                cache.committed.copy_(staggered if mode == "staggered" else torch.full_like(staggered, 16))
                 suite.replay_call(p, cache, slots, inp, prm, False)
+            launch.TUNING.clear()
         torch.cuda.synchronize()
         print("ran", spec, flush=True)
 

@@ -53,18 +53,23 @@ def _schedule(tr, rounds, rng):
 
 @pytest.mark.parametrize("arch, variant", [("mamba2", "tensor_cores"), ("mamba2", "loop"), ("gdn", "loop"),
                                            ("gdn", "tensor_cores"), ("gdn", "tensor_cores_split"),
-                                           ("mamba2", "early_cursor"), ("gdn", "early_cursor"),
+                                           ("mamba2", "late_cursor"), ("gdn", "late_cursor"),
                                            ("mamba2", "output_dot"), ("gdn", "output_dot"),
                                            ("mamba2", "all_experiments"), ("gdn", "all_experiments")])
 def test_triton_s32_matches_float64_reference(arch, variant):
     """Both refresh folds (Mamba-2: one tensor-core product, the default, or token by token; GDN:
-    token by token, the default, or the matrix form on tensor cores), and the early-cursor and
-    output-product experiments, through decode and verify rounds."""
+    token by token, the default, or the matrix form on tensor cores), with the cursor loaded by the
+    step kernels (the early cursor is the default) and the outputs' products on tensor cores at
+    every T (the default only from launch.OUTPUT_DOT_MIN_DRAFT), through decode and verify rounds."""
     from replayssm._triton import launch
 
     layer = TritonLayer(arch)
-    tr = helpers.Tracker(layer, layer.cache(4, window=8, max_draft=4), seed=3)
-    if variant in ("early_cursor", "output_dot"):
+    # the matrix form's inverse has one factor per power of two below the window: fill all of them
+    window = 16 if variant.startswith("tensor_cores") else 8
+    tr = helpers.Tracker(layer, layer.cache(4, window=window, max_draft=4), seed=3)
+    if variant == "late_cursor":
+        launch.TUNING["early_cursor"] = False
+    elif variant == "output_dot":
         launch.TUNING[variant] = True
     elif variant == "all_experiments":  # as the next sweep will combine them
         launch.TUNING.update(early_cursor=True, output_dot=True, refresh_dot=True, split_refresh=True)
@@ -115,8 +120,8 @@ def test_triton_low_precision_agrees_with_torch_backend(arch, precision):
 @pytest.mark.parametrize("precision", ["s32_rs", "tp4_hi16_sr"])
 def test_split_refresh_launch_matches_the_fused_kernel_bit_for_bit(arch, precision):
     """The refresh in a launch of its own (launch.TUNING["split_refresh"]) computes the same
-    checkpoint and outputs as the fused step kernel, stochastic rounding included, and so does
-    the early-cursor experiment with either; the fused one must differ once a refresh is skipped,
+    checkpoint and outputs as the fused step kernel, stochastic rounding included, with the cursor
+    copied early (the default) or loaded by each kernel; the fused one must differ once a refresh is skipped,
     so the comparison can fail."""
     from replayssm._triton import launch
 
@@ -126,8 +131,8 @@ def test_split_refresh_launch_matches_the_fused_kernel_bit_for_bit(arch, precisi
     state = torch.randn(3, *layer.state_shape, generator=g)
     toks = [layer.tokens(g, 3, 1) for _ in range(7)]
     runs = []
-    for tuning in (dict(split_refresh=False), dict(split_refresh=True), dict(split_refresh=True, early_cursor=True),
-                   dict(split_refresh=False, early_cursor=True)):
+    for tuning in (dict(split_refresh=False), dict(split_refresh=True), dict(split_refresh=True, early_cursor=False),
+                   dict(split_refresh=False, early_cursor=False)):
         cache = layer.cache(3, window=4, max_draft=2, precision=precision)
         cache.load_state(slots, state)
         launch.TUNING.update(tuning)

@@ -66,8 +66,9 @@ def grid_round(y, r24, M: tl.constexpr, EMIN: tl.constexpr, MAXV: tl.constexpr, 
 
 @triton.jit
 def load_tile(v_ptr, s_ptr, g_ptr, mat, gidx, rv, ck, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr):
-    """Rows ``rv`` [BV] x all columns ``ck`` [BK = DK] of matrix ``mat`` decoded to fp32
-    (``gidx``: the NVFP4 global-scale index of this row block)."""
+    """Rows ``rv`` [BV] x columns ``ck`` [BK] of matrix ``mat`` decoded to fp32: all DK columns,
+    or BK contiguous ones starting at a multiple of 32 (``gidx``: the NVFP4 global-scale index of
+    this row block)."""
     row = mat * DV + rv[:, None]
     if FMT <= 2:
         return tl.load(v_ptr + row * DK + ck[None, :]).to(tl.float32)
@@ -75,12 +76,13 @@ def load_tile(v_ptr, s_ptr, g_ptr, mat, gidx, rv, ck, DV: tl.constexpr, DK: tl.c
         vals = tl.load(v_ptr + row * DK + ck[None, :]).to(tl.float32)
         return vals * tl.load(s_ptr + row * (DK // 32) + ck[None, :] // 32)
     else:
-        half = tl.arange(0, DK // 2)
+        BK: tl.constexpr = ck.shape[0]
+        half = tl.min(ck, 0) // 2 + tl.arange(0, BK // 2)
         byte = tl.load(v_ptr + row * (DK // 2) + half[None, :]).to(tl.int16)
         lo = (((byte & 8) << 12) | ((byte & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
         hi = (((byte & 128) << 8) | ((byte & 112) << 5)).to(tl.float16, bitcast=True).to(tl.float32)
         # fp16 bit patterns of e2m1 codes are the values times 2**-14
-        vals = tl.reshape(tl.join(lo, hi), (rv.shape[0], DK)) * 16384.0
+        vals = tl.reshape(tl.join(lo, hi), (rv.shape[0], BK)) * 16384.0
         scale = tl.load(s_ptr + row * (DK // 16) + ck[None, :] // 16).to(tl.float32)
         return (vals * scale) * tl.load(g_ptr + gidx)
 
@@ -100,9 +102,7 @@ def anchor_rows(ra, av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV: tl.constexpr,
 def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
                DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr, SR: tl.constexpr):
     """Encode fp32 tile S [BV, DK] (rows rv of matrix ``mat``) into format FMT and store it.
-    Returns (decoded tile [BV, DK] as ``load_tile`` reads it back, *parts*), parts being the
-    stored values in ``load_read``'s layout, bit for bit, so a refreshing program computes its
-    outputs from registers instead of re-reading what it wrote. Stochastic rounding is keyed by
+    Stochastic rounding is keyed by
     (seed, stream, logical element index). For NVFP4 the tile is one global-scale row block,
     stored at ``gidx``."""
     BV: tl.constexpr = S.shape[0]
@@ -113,7 +113,6 @@ def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
         r24 = (random_u32(seed, stream, offset) >> 8) & 0xFFFFFF
     if FMT == 0:
         tl.store(v_ptr + row * DK + ck[None, :], S)
-        return S, S, S, 1.0
     elif FMT <= 2:
         if FMT == 1:
             MAXV: tl.constexpr = 65504.0
@@ -128,8 +127,6 @@ def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
         y = tl.where((S != S) | (tl.abs(S) == float("inf")), S, y)  # NaN and inf pass through
         v = y.to(v_ptr.dtype.element_ty)
         tl.store(v_ptr + row * DK + ck[None, :], v)
-        vf = v.to(tl.float32)
-        return vf, vf, vf, 1.0
     elif FMT == 3:
         NB: tl.constexpr = DK // 32
         X = tl.reshape(S, (BV, NB, 32))
@@ -147,8 +144,6 @@ def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
         tl.store(v_ptr + row * DK + ck[None, :], v)
         sb = tl.arange(0, NB)
         tl.store(s_ptr + (mat * DV + rv[:, None]) * NB + sb[None, :], scale)
-        va = tl.reshape(v.to(tl.float32), (BV, NB, 32))
-        return tl.reshape(va * scale[:, :, None], (BV, DK)), va, va, scale
     else:
         NB: tl.constexpr = DK // 16
         fin = tl.abs(S) < float("inf")
@@ -177,11 +172,6 @@ def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
         sb = tl.arange(0, NB)
         tl.store(s_ptr + (mat * DV + rv[:, None]) * NB + sb[None, :], s.to(tl.float8e4nv))
         tl.store(g_ptr + gidx, gs)
-        out = tl.reshape(q, (BV, NB, 16)) * s[:, :, None]
-        even_q, odd_q = tl.split(tl.reshape(q, (BV, NB, 8, 2)))
-        # load_read's form: codes times 2**-14 (exact), block scale x global scale x 2**14
-        return (tl.reshape(out, (BV, DK)) * gs, even_q * 0.00006103515625, odd_q * 0.00006103515625,
-                s * (gs * 16384.0))
 
 
 @triton.jit
@@ -273,12 +263,9 @@ def write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gid
                      A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr):
     """Cast the unrounded fp32 rows S independently into the anchor and (unless shared) the read
     copy, with separate stochastic-rounding streams (2 * tokens and 2 * tokens + 1, as
-    ``ReplayCache.write_checkpoint``). Returns the read copy's rows in ``load_read``'s layout."""
-    _, aa, ab, asc = store_tile(S, av_ptr, as_ptr, ag_ptr, mat, gidx, head, rv, ck, seed, tokens * 2, DV, DK,
-                                A_FMT, A_SR)
-    if SHARED:
-        return aa, ab, asc
-    else:
-        _, ra, rb, rsc = store_tile(S, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck, seed, tokens * 2 + 1,
-                                    DV, DK, R_FMT, R_SR)
-        return ra, rb, rsc
+    ``ReplayCache.write_checkpoint``). A program that goes on to read the read copy loads it
+    back after a barrier (``load_read``): products over registers in the encoder's layout could
+    reduce in another order than the step kernel's, so outputs would depend on where the refresh ran."""
+    store_tile(S, av_ptr, as_ptr, ag_ptr, mat, gidx, head, rv, ck, seed, tokens * 2, DV, DK, A_FMT, A_SR)
+    if not SHARED:
+        store_tile(S, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck, seed, tokens * 2 + 1, DV, DK, R_FMT, R_SR)

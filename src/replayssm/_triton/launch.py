@@ -115,21 +115,19 @@ def check_geometry(cache):
 
 
 #: Launch-shape overrides, for benchmark sweeps: {"block_rows": int, "num_warps": int,
-#: "refresh_dot": bool, "split_refresh": bool, "early_cursor": bool, "output_dot": bool}. Three
-#: are experiments, off until timed on a GPU: GDN's ``refresh_dot`` (``SHAPES``), ``early_cursor``
-#: (``cursor_args``) and ``output_dot``, the step
-#: kernels' S_read q products for all queries of a step as one 3-pass-tf32 tensor-core product
-#: instead of one cross-thread row reduction per query (the reductions are most of the kernels'
-#: shuffle instructions), which changes output bits at the ~1e-7 level.
+#: "refresh_dot": bool, "split_refresh": bool, "early_cursor": bool, "output_dot": bool,
+#: "refresh_rows": int, "refresh_warps": int}; ``parse_shape`` reads them from a label. Each
+#: default is the faster one measured (BENCHMARKS.md): ``early_cursor`` on (``cursor_args``),
+#: ``output_dot`` by draft length (``OUTPUT_DOT_MIN_DRAFT``), GDN's ``refresh_dot`` off (``SHAPES``).
 TUNING: dict = {}
 
 #: (rows of a head per program, warps per program, Mamba-2 refresh on tensor cores) by
 #: architecture and read-copy format: the fastest measured on an H200 at batch 256, staggered
 #: windows, real geometries, split refresh (benchmarks/sweep_shapes.py; BENCHMARKS.md has the
 #: sweeps). The refresh arithmetic must not depend on the read format (the anchor's bits may
-#: not), so Mamba-2 folds on tensor cores for every preset; GDN runs the token loop (two matrix
-#: forms measured 1.2-1.7x slower steps; a third, with the inverse solved by the scores launch, is
-#: ``TUNING["refresh_dot"]`` and untimed). For the same reason every
+#: not), so Mamba-2 folds on tensor cores for every preset; GDN runs the token loop (four
+#: matrix forms measured slower, the last, ``TUNING["refresh_dot"]``, 477 -> 566-628 us per
+#: staggered step: its tensor-core operands need all 255 registers). For the same reason every
 #: element-wise read format of an architecture shares one shape (GDN fp16 would gain 4% at 16x2),
 #: so the fold's summation order is the same; NVFP4 rows are one row block.
 SHAPES = {("mamba2", "fp32"): (32, 2, True), ("mamba2", "fp16"): (32, 2, True),
@@ -144,20 +142,25 @@ def parse_shape(text: str) -> dict:
     """``TUNING`` overrides from a benchmark's shape label: "32x4" = 32 rows per program, 4 warps;
     suffix ``d`` = refresh fold on tensor cores (else the token loop), ``s`` = split refresh (else
     fused), ``e`` = early cursor, ``o`` = outputs' read-copy products on tensor cores. E.g. "32x4ds"."""
+    text, _, refresh = text.partition("/")
     base = text.rstrip("dseo")
     rows, warps = map(int, base.split("x"))
     flags = text[len(base):]
-    return dict(block_rows=rows, num_warps=warps, refresh_dot="d" in flags, split_refresh="s" in flags,
-                early_cursor="e" in flags, output_dot="o" in flags)
+    out = dict(block_rows=rows, num_warps=warps, refresh_dot="d" in flags, split_refresh="s" in flags,
+               early_cursor="e" in flags, output_dot="o" in flags)
+    if refresh:  # "64x4s/16x2": the split refresh launch at 16 rows x 2 warps
+        out["refresh_rows"], out["refresh_warps"] = map(int, refresh.split("x"))
+    return out
 
 
 def cursor_args(cache, slots) -> tuple:
-    """(cursors tensor, EARLY_CURSOR) for the kernels of one step. With ``TUNING["early_cursor"]``
-    (an experiment, off by default: not yet timed on a GPU) the scores launch copies each batch
-    row's committed count into a [b] int32 scratch that the refresh and step kernels read by batch
-    row, so their state and window loads wait on the slot id alone instead of slot id then cursor.
-    The same counts either way, so the same bits (tested)."""
-    if TUNING.get("early_cursor", False):
+    """(cursors tensor, EARLY_CURSOR) for the kernels of one step. By default the scores launch
+    copies each batch row's committed count into a [b] scratch that the refresh and step kernels
+    read by batch row, so their state and window loads wait on the slot id alone instead of slot
+    id then cursor: 1-3% faster steps on an H200 (batch 256: Mamba-2 s32_rs 387.7 -> 381.2 us,
+    GDN 510.3 -> 501.8). ``TUNING["early_cursor"] = False`` loads the cursor in every kernel. The
+    same counts either way, so the same bits (tested)."""
+    if TUNING.get("early_cursor", True):
         return torch.empty(slots.shape[0], dtype=cache.committed.dtype, device=slots.device), True
     return cache.committed, False  # never read through this argument
 
@@ -173,6 +176,44 @@ def launch_shape(cache, arch: str) -> tuple[int, int, bool]:
     if "nvfp4" in fmts or rows < 16 or rows > cache.dv or cache.dv % rows:
         rows = cache.row_block
     return rows, TUNING.get("num_warps", warps), TUNING.get("refresh_dot", dot)
+
+
+#: (rows, warps) per program of the split refresh launch, by architecture, where it differs from
+#: the step kernel's. GDN's token-loop fold is issue-bound and keeps fewer registers live at
+#: 16 x 2 (H200, batch 256, staggered, us per step with the refresh at 64x4 -> 16x2: s32_rs 500
+#: -> 477, tp16_hi32 497 -> 472; tp8_hi32 449 -> 446). A refresh shape is only allowed where the
+#: GPU gives the fold the same bits at both shapes, or results would depend on the batch size
+#: (below SPLIT_MIN_BATCH the step kernel refreshes at its own shape): checked by
+#: benchmarks/refresh_bits.py on the H200 (GDN's token loop: the same bits at 16x1 ... 64x4;
+#: Mamba-2's tensor-core fold: different bits at 16x2, 16x4, 32x4, so it keeps the step's).
+REFRESH_SHAPES = {"gdn": (16, 2)}
+
+
+def refresh_shape(cache, arch: str, rows: int, warps: int) -> tuple[int, int]:
+    """(rows, warps) per program of the split refresh launch, given the step kernel's:
+    ``REFRESH_SHAPES`` or the step's, ``TUNING["refresh_rows"]`` / ``["refresh_warps"]`` over
+    that, with the same whole-NVFP4-block rule as ``launch_shape``."""
+    rows, warps = REFRESH_SHAPES.get(arch, (rows, warps))
+    rows, warps = TUNING.get("refresh_rows", rows), TUNING.get("refresh_warps", warps)
+    fmts = {cache.precision.anchor.name, cache.precision.read_format.name}
+    if "nvfp4" in fmts or rows < 16 or rows > cache.dv or cache.dv % rows:
+        rows = cache.row_block
+    return rows, warps
+
+
+#: Smallest draft length T whose step computes the read-copy products of all its queries as one
+#: tensor-core product, by architecture (``output_dot``); None = never. H200, batch 256, µs per
+#: round, cross-thread reductions -> one product: GDN T=4 s32_rs 1540 -> 1239, tp8_hi32 1768 ->
+#: 1410; T=8 2997 -> 2453, 3517 -> 2266; but T=2 844 -> 880, 810 -> 960, T=1 502 -> 655; Mamba-2
+#: T=4 s32_rs 1017 -> 1190 and slower at T=1 too. BENCHMARKS.md has the sweeps.
+OUTPUT_DOT_MIN_DRAFT = {"mamba2": None, "gdn": 4}
+
+
+def output_dot(arch: str, T: int) -> bool:
+    """Whether a step of T tokens runs the read-copy products on tensor cores (3-pass tf32, which
+    changes output bits at the 1e-7 level, never the anchor); ``TUNING["output_dot"]`` overrides."""
+    least = OUTPUT_DOT_MIN_DRAFT[arch]
+    return TUNING.get("output_dot", least is not None and T >= least)
 
 
 #: Smallest batch that gets the refresh in a launch of its own, by architecture. Smaller batches

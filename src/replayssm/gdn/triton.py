@@ -35,15 +35,12 @@ from .._triton.formats import (anchor_rows, column, load_query, load_read, load_
 
 @triton.jit
 def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_ptr, kn_ptr, qn_ptr, scores_ptr, scale,
-                       bg_ptr, bbeta_ptr, xinv_ptr, SCRATCH, HV, HK, T: tl.constexpr, L: tl.constexpr,
-                       LP: tl.constexpr, DK: tl.constexpr, NORM: tl.constexpr, EARLY_CURSOR: tl.constexpr,
-                       REFRESH_DOT: tl.constexpr, HVPK: tl.constexpr):
+                       SCRATCH, HK, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr,
+                       NORM: tl.constexpr, EARLY_CURSOR: tl.constexpr):
     """Once per (batch row, key head): the T new keys and queries prepared in fp32 (L2-normalized
     when NORM, as flash-linear-attention's l2norm, queries times ``scale``) into kn, qn [b, T, HK, K]
     for the other launches; then scores[b, kh, 0, s, j] = k_j . q_s and scores[b, kh, 1, s, j] =
-    k_j . k_s over the entries of the window (committed + new). With REFRESH_DOT, for a slot that
-    refreshes, also xinv[b, head] = (I + M)^-1 [LP, LP] of each of the key head's HVPK value heads
-    (``_fold``), by forward substitution: the same for every row block, so solved once here."""
+    k_j . k_s over the entries of the window (committed + new)."""
     pid_b, khead = tl.program_id(0), tl.program_id(1)
     ck = tl.arange(0, DK)
     for s in tl.static_range(T):
@@ -60,25 +57,6 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_p
     if EARLY_CURSOR and khead == 0:  # for the later launches of this step (window.early_cursor)
         tl.store(cursors_ptr + pid_b, h)
     j = tl.arange(0, LP)
-    if REFRESH_DOT:
-        if need:  # (I + M)^-1 of each of this key head's value heads, for the refresh's matrix form
-            old = j < h
-            K_c = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :], mask=old[:, None],
-                          other=0.0).to(tl.float32)
-            KK = tl.dot(K_c, tl.trans(K_c), input_precision="tf32x3")  # [LP, LP] k_i . k_j
-            r = j[:, None]
-            for vh in tl.static_range(HVPK):
-                head = khead * HVPK + vh
-                g_c = tl.load(bg_ptr + (row * L + j) * HV + head, mask=old, other=0.0)
-                beta_c = tl.load(bbeta_ptr + (row * L + j) * HV + head, mask=old, other=0.0)
-                X = tl.zeros((LP, LP), dtype=tl.float32)
-                for jj in tl.static_range(LP):  # row jj of X: e_jj - sum_{i < jj} M[jj, i] X[i, :]
-                    beta_j = tl.sum(tl.where(j == jj, beta_c, 0.0), 0)
-                    decay = tl.exp(tl.where(j < jj, segment_to(g_c, jj), float("-inf")))  # e^{g(i, jj]}
-                    m_row = beta_j * decay * tl.sum(tl.where(r == jj, KK, 0.0), 0)
-                    X = tl.where(r == jj, tl.where(j == jj, 1.0, 0.0)[None, :] - tl.sum(m_row[:, None] * X, 0)[None, :],
-                                 X)
-                tl.store(xinv_ptr + ((pid_b * HV + head) * LP + r) * LP + j[None, :], X)
     h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
     K = window_rows(bk_ptr, kn_ptr, row, pid_b, h, khead, HK, ck, DK, T, L, LP)
     for s in tl.static_range(T):
@@ -91,17 +69,25 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_p
 
 
 @triton.jit
-def _fold(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, xinv_ptr, row, pid_b, head, khead, h, rv, HV, HK,
-          L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DOT: tl.constexpr):
+def _fold(S, av_ptr, as_ptr, ag_ptr, mat, gidx, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, khead, h, rv, HV, HK,
+          L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, A_FMT: tl.constexpr,
+          DOT: tl.constexpr):
     """The new checkpoint's unrounded rows ``rv`` [BV, DK] from anchor rows S, re-solving the h
     committed tokens' residuals from the anchor (none past h).
 
-    Default: the conventional recurrence token by token (S = alpha S; u = beta (v - S k);
+    DOT: DESIGN §2's triangular system in matrix form. With c_j the log decay from the
+    checkpoint through entry j and g(i, j] the one between entries,
+    (I + N) u = beta (v - e^c (S k)),  N[j, i] = beta_j e^{g(i, j]} (k_i . k_j) for i < j,
+    and N nilpotent (N^LP = 0), so (I + N)^-1 = (I - N)(I + N^2)(I + N^4)...: log2(LP) squarings
+    and products of [LP, LP] matrices instead of LP dependent substitution steps; the [BV, DK]
+    work is three more: S K^T, R X^T and (U w) K. Every product on tensor cores, 3-pass tf32;
+    the two that reduce over DK (S K^T and the Gram matrix K K^T) in column chunks of the
+    anchor (reloaded, from L1) and the keys, since a product operand is held whole in registers
+    and a whole [BV, DK] or [LP, DK] one, split in two for 3-pass tf32, spills.
+    Otherwise the conventional recurrence token by token (S = alpha S; u = beta (v - S k);
     S += u k^T), unrolled so that every token's buffer loads are independent of S; its [BV, DK]
-    row reductions make it issue-bound. DOT (an experiment): DESIGN §2's triangular system in
-    matrix form, (I + M) u = beta (v - e^c (S k)) with M[j, i] = beta_j e^{g(i, j]} (k_i . k_j) for
-    i < j, whose inverse X [LP, LP] the scores launch solved once per (batch row, head) into
-    ``xinv``; then three tensor-core products (3-pass tf32): S K^T, R X^T, (U w) K."""
+    row reductions make it issue-bound (about 1e9 warp instructions for a full refresh of
+    Qwen3.5-122B's state at batch 256, ncu)."""
     ck = tl.arange(0, DK)
     if DOT:
         j = tl.arange(0, LP)
@@ -113,9 +99,29 @@ def _fold(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, xinv_ptr, row, pid_b, head, khea
                       other=0.0).to(tl.float32)  # [BV, LP]
         g_c = tl.load(bg_ptr + buf_tok * HV + head, mask=old, other=0.0)
         beta_c = tl.load(bbeta_ptr + buf_tok * HV + head, mask=old, other=0.0)  # 0 past h: u = 0 there
-        X = tl.load(xinv_ptr + ((pid_b * HV + head) * LP + j[:, None]) * LP + j[None, :])
-        c_j = tl.sum(tl.where(j[None, :] <= j[:, None], g_c[None, :], 0.0), 1)  # log decay through j
-        SK = tl.dot(S, tl.trans(K_c), input_precision="tf32x3")  # [BV, LP]: S_anchor k_j
+        # N[j, i] = beta_j e^{g(i, j]} (k_i . k_j), i < j: each segment summed directly (decay.py)
+        jj, ii = j[:, None], j[None, :]
+        seg = tl.zeros((LP, LP), dtype=tl.float32)  # g(i, j], one entry's log decay at a time
+        for m in tl.static_range(1, LP):
+            seg += tl.where((ii < m) & (m <= jj), tl.sum(tl.where(j == m, g_c, 0.0), 0), 0.0)
+        KK = tl.zeros((LP, LP), dtype=tl.float32)
+        SK = tl.zeros((S.shape[0], LP), dtype=tl.float32)  # S_anchor k_j
+        for c in tl.static_range(DK // 32):
+            cols = c * 32 + tl.arange(0, 32)
+            K_part = tl.load(bk_ptr + (buf_tok[:, None] * HK + khead) * DK + cols[None, :], mask=old[:, None],
+                             other=0.0).to(tl.float32)
+            KK += tl.dot(K_part, tl.trans(K_part), input_precision="tf32x3")
+            S_part = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT)
+            SK += tl.dot(S_part, tl.trans(K_part), input_precision="tf32x3")
+        N = tl.where(ii < jj, beta_c[:, None] * tl.exp(tl.where(ii < jj, seg, 0.0)) * KK, 0.0)
+        eye = tl.where(ii == jj, 1.0, 0.0)
+        X = eye - N
+        P = N
+        for e in tl.static_range(1, 6):  # X = (I - N)(I + N^2)(I + N^4)... while 2^e < LP
+            if (1 << e) < LP:
+                P = tl.dot(P, P, input_precision="tf32x3")
+                X = tl.dot(X, eye + P, input_precision="tf32x3")
+        c_j = tl.sum(tl.where(ii <= jj, g_c[None, :], 0.0), 1)  # log decay through j
         U = tl.dot(beta_c[None, :] * (V_c - tl.exp(c_j)[None, :] * SK), tl.trans(X), input_precision="tf32x3")
         w = tl.exp(suffix_sums(g_c, h))  # decay from each entry to the end of the history
         S = S * tl.exp(tl.sum(g_c, 0)) + tl.dot(U * w[None, :], K_c, input_precision="tf32x3")
@@ -135,7 +141,7 @@ def _fold(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, xinv_ptr, row, pid_b, head, khea
 def _gdn_refresh_kernel(
         slots_ptr, committed_ptr, cursors_ptr, tokens_ptr, seeds_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
-        bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, xinv_ptr, SCRATCH, HV, HK,
+        bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, SCRATCH, HV, HK,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
         BV: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, EARLY_CURSOR: tl.constexpr, REFRESH_DOT: tl.constexpr):
@@ -149,8 +155,8 @@ def _gdn_refresh_kernel(
         rv = pid_v * BV + tl.arange(0, BV)
         ck = tl.arange(0, DK)
         S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
-        S = _fold(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, xinv_ptr, row, pid_b, head, head // (HV // HK), h, rv, HV,
-                  HK, L, LP, DV, DK, REFRESH_DOT)
+        S = _fold(S, av_ptr, as_ptr, ag_ptr, mat, gidx, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head,
+                  head // (HV // HK), h, rv, HV, HK, L, LP, DV, DK, A_FMT, REFRESH_DOT)
         write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
                          tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT, A_SR, R_FMT, R_SR,
                          SHARED)
@@ -160,7 +166,7 @@ def _gdn_refresh_kernel(
 def _gdn_step_kernel(
         slots_ptr, committed_ptr, cursors_ptr, tokens_ptr, seeds_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
-        bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, bu_ptr, xinv_ptr,
+        bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, bu_ptr,
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, scores_ptr, o_ptr,
         SCRATCH, HV, HK,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
@@ -187,17 +193,19 @@ def _gdn_step_kernel(
     if FUSED_REFRESH:
         if need:  # refresh: re-solve the committed residuals from the anchor, token by token
             S = anchor_rows(ra, av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT, R_FMT, SHARED)
-            S = _fold(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, xinv_ptr, row, pid_b, head, khead, h, rv, HV, HK, L,
-                      LP, DV, DK, REFRESH_DOT)
-            ra, rb, rsc = write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv,
-                                           ck, tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT,
-                                           A_SR, R_FMT, R_SR, SHARED)
+            S = _fold(S, av_ptr, as_ptr, ag_ptr, mat, gidx, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, khead, h,
+                      rv, HV, HK, L, LP, DV, DK, A_FMT, REFRESH_DOT)
+            write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv,
+                             ck, tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT,
+                             A_SR, R_FMT, R_SR, SHARED)
+            tl.debug_barrier()  # read back, as after a split refresh (write_checkpoint says why)
+            ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
     h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
 
     old = j < h
     g = window_scalars(bg_ptr, g_ptr, row, pid_b, h, head, HV, T, L, LP)
     U = tl.load(bu_ptr + (buf_tok[None, :] * HV + head) * DV + rv[:, None], mask=old[None, :], other=0.0)
-    if OUTPUT_DOT:  # every S_read k_s and S_read q_s of the step in one tensor-core product (experiment)
+    if OUTPUT_DOT:  # every S_read k_s and S_read q_s of the step in one product (launch.output_dot)
         r = tl.arange(0, QP)[:, None]
         at = ((pid_b * T + r % T) * HK + khead) * DK + ck[None, :]
         Q = tl.where(r < T, tl.load(k_ptr + at, mask=r < 2 * T, other=0.0), tl.load(q_ptr + at, mask=r < 2 * T, other=0.0))
@@ -256,26 +264,25 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     kn = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     qn = torch.empty_like(kn)
     cursors, early = launch.cursor_args(cache, slots)
-    # the matrix-form refresh's inverses, solved by the scores launch (a pointer never read otherwise)
-    xinv = torch.empty(b, HV, LP, LP, dtype=torch.float32, device=v.device) if refresh_dot else scores
     launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], k, q, kn, qn, scores,
-               float(scale), buf["g"], buf["beta"], xinv, cache.scratch_row, HV, HK, T=T, L=cache.window, LP=LP,
-               DK=cache.head_k_dim, NORM=normalize, EARLY_CURSOR=early, REFRESH_DOT=refresh_dot, HVPK=HV // HK)
+               float(scale), cache.scratch_row, HK, T=T, L=cache.window, LP=LP, DK=cache.head_k_dim, NORM=normalize,
+               EARLY_CURSOR=early)
     q, k = qn, kn
     grid = (V // bv, HV, b)
     if split:
-        launch.run(_gdn_refresh_kernel, grid, slots, cache.committed, cursors, cache.tokens, cache.seeds, *anchor,
-                   *read, buf["k"], buf["v"], buf["g"], buf["beta"], xinv, cache.scratch_row, HV, HK,
-                   T=T, L=cache.window, LP=LP, DV=V, DK=cache.head_k_dim, BV=bv, EARLY_CURSOR=early,
-                   REFRESH_DOT=refresh_dot, num_warps=warps, **consts)
+        rbv, rwarps = launch.refresh_shape(cache, "gdn", bv, warps)
+        launch.run(_gdn_refresh_kernel, (V // rbv, HV, b), slots, cache.committed, cursors, cache.tokens,
+                   cache.seeds, *anchor, *read, buf["k"], buf["v"], buf["g"], buf["beta"], cache.scratch_row, HV, HK,
+                   T=T, L=cache.window, LP=LP, DV=V, DK=cache.head_k_dim, BV=rbv, EARLY_CURSOR=early,
+                   REFRESH_DOT=refresh_dot, num_warps=rwarps, **consts)
     launch.run(
         _gdn_step_kernel, grid,
         slots, cache.committed, cursors, cache.tokens, cache.seeds, *anchor, *read,
-        buf["k"], buf["v"], buf["g"], buf["beta"], buf["u"], xinv,
+        buf["k"], buf["v"], buf["g"], buf["beta"], buf["u"],
         q, k, v, g, beta, scores, o, cache.scratch_row, HV, HK,
         T=T, L=cache.window, LP=LP, DV=V,
         DK=cache.head_k_dim, BV=bv, FUSED_REFRESH=not split, EARLY_CURSOR=early,
-        OUTPUT_DOT=launch.TUNING.get("output_dot", False), QP=max(16, triton.next_power_of_2(2 * T)),
+        OUTPUT_DOT=launch.output_dot("gdn", T), QP=max(16, triton.next_power_of_2(2 * T)),
         REFRESH_DOT=refresh_dot,
         num_warps=warps, **consts)
     launch.advance(cache, slots, T, commit, {"k": k, "g": g, "beta": beta})

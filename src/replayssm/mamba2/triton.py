@@ -154,9 +154,11 @@ def _mamba2_step_kernel(
         if need:  # refresh: fold the h committed entries into a new checkpoint, from the anchor
             S = anchor_rows(ra, av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT, R_FMT, SHARED)
             S = _fold(S, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, row, head, group, h, rv, H, G, L, LP, DV, DK, REFRESH_DOT)
-            ra, rb, rsc = write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv,
-                                           ck, tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT,
-                                           A_SR, R_FMT, R_SR, SHARED)
+            write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv,
+                             ck, tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT,
+                             A_SR, R_FMT, R_SR, SHARED)
+            tl.debug_barrier()  # read back, as after a split refresh (write_checkpoint says why)
+            ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
     h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
 
     # the window's entries: committed ones from the buffer, the T new ones from the inputs
@@ -164,7 +166,7 @@ def _mamba2_step_kernel(
     la = window_scalars(bla_ptr, la_ptr, row, pid_b, h, head, H, T, L, LP)
     dt = window_scalars(bdt_ptr, dt_ptr, row, pid_b, h, head, H, T, L, LP)
     X = window_rows(bx_ptr, x_ptr, row, pid_b, h, head, H, rv, DV, T, L, LP)  # [LP, BV]
-    if OUTPUT_DOT:  # every S_read C_s of the step in one tensor-core product (experiment)
+    if OUTPUT_DOT:  # every S_read C_s of the step in one tensor-core product (launch.output_dot)
         r = tl.arange(0, QP)
         Q = tl.load(C_ptr + ((pid_b * T + r[:, None]) * G + group) * DK + ck[None, :], mask=(r < T)[:, None],
                     other=0.0).to(tl.float32)
@@ -224,11 +226,12 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
                HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), EARLY_CURSOR=early)
     grid = (P // bv, H, b)
     if split:
-        launch.run(_mamba2_refresh_kernel, grid, slots, cache.committed, cursors, cache.tokens, cache.seeds, *anchor,
-                   *read,
-                   buf["x"], buf["dt"], buf["log_alpha"], buf["B"], cache.scratch_row, H, cache.ngroups,
-                   T=T, L=cache.window, LP=LP, DV=P, DK=cache.dstate, BV=bv, REFRESH_DOT=refresh_dot,
-                   EARLY_CURSOR=early, num_warps=warps, **consts)
+        rbv, rwarps = launch.refresh_shape(cache, "mamba2", bv, warps)
+        launch.run(_mamba2_refresh_kernel, (P // rbv, H, b), slots, cache.committed, cursors, cache.tokens,
+                   cache.seeds, *anchor, *read, buf["x"], buf["dt"], buf["log_alpha"], buf["B"], cache.scratch_row,
+                   H, cache.ngroups,
+                   T=T, L=cache.window, LP=LP, DV=P, DK=cache.dstate, BV=rbv, REFRESH_DOT=refresh_dot,
+                   EARLY_CURSOR=early, num_warps=rwarps, **consts)
     launch.run(
         _mamba2_step_kernel, grid,
         slots, cache.committed, cursors, cache.tokens, cache.seeds, *anchor, *read,
@@ -238,7 +241,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
         T=T, L=cache.window, LP=LP, DV=P,
         DK=cache.dstate, BV=bv, HAS_D=D is not None, HAS_Z=z is not None,
         REFRESH_DOT=refresh_dot, FUSED_REFRESH=not split, EARLY_CURSOR=early,
-        OUTPUT_DOT=launch.TUNING.get("output_dot", False), QP=max(16, triton.next_power_of_2(T)),
+        OUTPUT_DOT=launch.output_dot("mamba2", T), QP=max(16, triton.next_power_of_2(T)),
         num_warps=warps,
         **consts)
     launch.advance(cache, slots, T, commit, {"dt": dt, "log_alpha": log_alpha, "B": B})

@@ -1,0 +1,72 @@
+"""Does the refresh's checkpoint depend on the launch shape? On the GPU, at real geometries: run a
+window of decode steps and then a refresh of every slot, once per launch configuration (the step
+kernel's shape with the refresh fused or split, and split refreshes at other shapes), and compare
+the anchor and read-copy bits and the outputs with the first configuration's. Prints one line
+per configuration. A shape whose bits differ cannot serve as the refresh shape: results would
+depend on the batch size (small batches refresh inside the step kernel).
+
+    PYTHONPATH=src python3 benchmarks/refresh_bits.py [--arch mamba2,gdn] [--refresh-shapes 16x1,16x2,32x4]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from replayssm._triton import launch
+from replayssm.bench import suite
+from replayssm.bench.suite import Problem
+
+GEO = {"mamba2": "nemotron3-super", "gdn": "qwen35-122b"}
+SMALL = {"mamba2": (2, 64, 128, 1), "gdn": (1, 2, 128, 128)}  # --small: a CPU smoke run (TRITON_INTERPRET=1)
+
+
+def run(arch: str, preset: str, tuning: dict, dims, device, batch: int = 8, window: int = 16):
+    """Outputs of the refreshing step and the cache's state rows after it, under ``tuning``."""
+    gen = torch.Generator(device=device).manual_seed(4)
+    p = Problem(arch, dims, batch, 1)
+    prm = suite.make_params(p, device, gen)
+    cache = suite.make_cache(p, batch, preset, window, 4, device)
+    slots = torch.arange(batch, device=device)
+    cache.load_state(slots, torch.randn(batch, *cache.state_shape, device=device, generator=gen) * 0.1)
+    launch.TUNING.clear()
+    launch.TUNING.update(tuning)
+    try:
+        for _ in range(window):
+            y = suite.replay_call(p, cache, slots, suite.make_inputs(p, device, gen), prm, False, "triton")
+        y = suite.replay_call(p, cache, slots, suite.make_inputs(p, device, gen), prm, False, "triton")  # refreshes all
+    finally:
+        launch.TUNING.clear()
+    return y, {k: v[:batch] for k, v in cache.state_dict().items() if torch.is_tensor(v)}  # not the scratch row
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--arch", default="mamba2,gdn")
+    ap.add_argument("--presets", default="s32_rs,tp8_hi32")
+    ap.add_argument("--refresh-shapes", default="16x1,16x2,32x2,32x4,64x4")
+    ap.add_argument("--small", action="store_true")
+    args = ap.parse_args()
+    device = "cpu" if args.small else "cuda"
+    for arch in args.arch.split(","):
+        for preset in args.presets.split(","):
+            rows, warps, dot = launch.SHAPES[(arch, "fp32")]
+            base = dict(block_rows=rows, num_warps=warps, refresh_dot=dot)
+            # "split": at the default refresh shape (launch.REFRESH_SHAPES)
+            configs = [("fused", dict(base, split_refresh=False)), ("split", dict(base, split_refresh=True))]
+            configs += [(f"split/{s}", dict(base, split_refresh=True, **dict(zip(("refresh_rows", "refresh_warps"),
+                                                                             map(int, s.split("x"))))))
+                        for s in args.refresh_shapes.split(",")]
+            dims = SMALL[arch] if args.small else suite.GEOMETRIES[GEO[arch]][1]
+            y0, sd0 = run(arch, preset, configs[0][1], dims, device)
+            for name, tuning in configs[1:]:
+                y, sd = run(arch, preset, tuning, dims, device)
+                same = {k: torch.equal(sd0[k], sd[k]) for k in sd0}
+                diff = [k for k, v in same.items() if not v]
+                state = "same" if not diff else "DIFFER " + ",".join(diff)
+                print(f"bits {arch:6s} {preset:9s} {rows}x{warps} fused vs {name:10s} outputs "
+                      f"{'same' if torch.equal(y0, y) else 'DIFFER'}; state {state}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
