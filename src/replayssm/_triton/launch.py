@@ -193,9 +193,10 @@ def refresh_shape(cache, arch: str, rows: int, warps: int) -> tuple[int, int]:
     """(rows, warps) per program of the split refresh launch, given the step kernel's:
     ``REFRESH_SHAPES`` or the step's, ``TUNING["refresh_rows"]`` / ``["refresh_warps"]`` over
     that, with the same whole-NVFP4-block rule as ``launch_shape``."""
-    rows, warps = REFRESH_SHAPES.get(arch, (rows, warps))
-    rows, warps = TUNING.get("refresh_rows", rows), TUNING.get("refresh_warps", warps)
     fmts = {cache.precision.anchor.name, cache.precision.read_format.name}
+    if "nvfp4" not in fmts:  # NVFP4 programs own one scale block of rows: the step's shape
+        rows, warps = REFRESH_SHAPES.get(arch, (rows, warps))
+    rows, warps = TUNING.get("refresh_rows", rows), TUNING.get("refresh_warps", warps)
     if "nvfp4" in fmts or rows < 16 or rows > cache.dv or cache.dv % rows:
         rows = cache.row_block
     return rows, warps
@@ -209,11 +210,14 @@ def refresh_shape(cache, arch: str, rows: int, warps: int) -> tuple[int, int]:
 OUTPUT_DOT_MIN_DRAFT = {"mamba2": None, "gdn": 4}
 
 
-def output_dot(arch: str, T: int) -> bool:
+def output_dot(cache, arch: str, T: int) -> bool:
     """Whether a step of T tokens runs the read-copy products on tensor cores (3-pass tf32, which
-    changes output bits at the 1e-7 level, never the anchor); ``TUNING["output_dot"]`` overrides."""
+    changes output bits at the 1e-7 level, never the anchor); ``TUNING["output_dot"]`` overrides.
+    Not for an NVFP4 read copy: the decoded tile is not a measured win there (GDN T=4
+    tp4_hi16_sr 1999 -> 2913 us per round with this and the 16x2 refresh together)."""
     least = OUTPUT_DOT_MIN_DRAFT[arch]
-    return TUNING.get("output_dot", least is not None and T >= least)
+    default = least is not None and T >= least and cache.precision.read_format.name != "nvfp4"
+    return TUNING.get("output_dot", default)
 
 
 #: Smallest batch that gets the refresh in a launch of its own, by architecture. Smaller batches

@@ -282,7 +282,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
         q, k, v, g, beta, scores, o, cache.scratch_row, HV, HK,
         T=T, L=cache.window, LP=LP, DV=V,
         DK=cache.head_k_dim, BV=bv, FUSED_REFRESH=not split, EARLY_CURSOR=early,
-        OUTPUT_DOT=launch.output_dot("gdn", T), QP=max(16, triton.next_power_of_2(2 * T)),
+        OUTPUT_DOT=launch.output_dot(cache, "gdn", T), QP=max(16, triton.next_power_of_2(2 * T)),
         REFRESH_DOT=refresh_dot,
         num_warps=warps, **consts)
     launch.advance(cache, slots, T, commit, {"k": k, "g": g, "beta": beta})

@@ -241,7 +241,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
         T=T, L=cache.window, LP=LP, DV=P,
         DK=cache.dstate, BV=bv, HAS_D=D is not None, HAS_Z=z is not None,
         REFRESH_DOT=refresh_dot, FUSED_REFRESH=not split, EARLY_CURSOR=early,
-        OUTPUT_DOT=launch.output_dot("mamba2", T), QP=max(16, triton.next_power_of_2(T)),
+        OUTPUT_DOT=launch.output_dot(cache, "mamba2", T), QP=max(16, triton.next_power_of_2(T)),
         num_warps=warps,
         **consts)
     launch.advance(cache, slots, T, commit, {"dt": dt, "log_alpha": log_alpha, "B": B})
