@@ -121,7 +121,8 @@ def test_triton_low_precision_agrees_with_torch_backend(arch, precision):
 def test_split_refresh_launch_matches_the_fused_kernel_bit_for_bit(arch, precision):
     """The refresh in a launch of its own (launch.TUNING["split_refresh"]) computes the same
     checkpoint and outputs as the fused step kernel, stochastic rounding included, with the cursor
-    copied early (the default) or loaded by each kernel; the fused one must differ once a refresh is skipped,
+    copied early (the default) or loaded by each kernel, and with the refresh launch persistent
+    (the default: a few programs loop over the refreshing slots' tiles) or one program per tile; the fused one must differ once a refresh is skipped,
     so the comparison can fail."""
     from replayssm._triton import launch
 
@@ -132,7 +133,7 @@ def test_split_refresh_launch_matches_the_fused_kernel_bit_for_bit(arch, precisi
     toks = [layer.tokens(g, 3, 1) for _ in range(7)]
     runs = []
     for tuning in (dict(split_refresh=False), dict(split_refresh=True), dict(split_refresh=True, early_cursor=False),
-                   dict(split_refresh=False, early_cursor=False)):
+                   dict(split_refresh=False, early_cursor=False), dict(split_refresh=True, persistent_refresh=False)):
         cache = layer.cache(3, window=4, max_draft=2, precision=precision)
         cache.load_state(slots, state)
         launch.TUNING.update(tuning)
@@ -161,6 +162,39 @@ def test_split_refresh_launch_matches_the_fused_kernel_bit_for_bit(arch, precisi
         launch.TUNING.clear()
         launch.LAUNCHER = launch._launch
     assert (f"_{arch}_refresh_kernel", None) in names and (f"_{arch}_step_kernel", False) in names
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
+@pytest.mark.parametrize("persistent", [True, False])
+def test_split_refresh_at_its_own_launch_shape_refreshes_every_row(arch, persistent):
+    """The split refresh launch may tile rows differently from the step kernel
+    (launch.REFRESH_SHAPES, TUNING["refresh_rows"]): a refresh at 16 rows per program after
+    steps at 32 gives the fused kernel's bits, persistent or one program per tile; a grid or a
+    tile count taken from the step's tiling would leave half the rows unrefreshed."""
+    from replayssm._triton import launch
+
+    geometry = {"mamba2": dict(nheads=2, headdim=32, dstate=32, ngroups=1),
+                "gdn": dict(num_k_heads=1, num_v_heads=2, head_k_dim=32, head_v_dim=32)}[arch]
+    base = helpers.make_layer(arch, 0, **geometry)
+    layer = TritonLayer(arch)
+    layer.base, layer.state_shape = base, base.state_shape
+    g = helpers.generator(17)
+    slots = torch.tensor([1, 0])
+    state = torch.randn(2, *base.state_shape, generator=g)
+    toks = [base.tokens(g, 2, 1) for _ in range(5)]  # window 4: the fifth step refreshes
+    snaps = []
+    for tuning in (dict(split_refresh=False),
+                   dict(split_refresh=True, refresh_rows=16, refresh_warps=1, persistent_refresh=persistent)):
+        cache = base.cache(2, window=4, max_draft=1)
+        cache.load_state(slots, state)
+        launch.TUNING.update(tuning, block_rows=32)
+        try:
+            ys = torch.cat([layer.run(cache, slots, t, False) for t in toks])
+        finally:
+            launch.TUNING.clear()
+        snaps.append((ys, helpers.snapshot(cache)))
+    assert torch.equal(snaps[0][0], snaps[1][0])
+    assert not helpers.snapshot_diff(snaps[0][1], snaps[1][1])
 
 
 @pytest.mark.parametrize("arch", ["mamba2", "gdn"])

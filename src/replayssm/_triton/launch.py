@@ -116,7 +116,8 @@ def check_geometry(cache):
 
 #: Launch-shape overrides, for benchmark sweeps: {"block_rows": int, "num_warps": int,
 #: "refresh_dot": bool, "split_refresh": bool, "early_cursor": bool, "output_dot": bool,
-#: "refresh_rows": int, "refresh_warps": int}; ``parse_shape`` reads them from a label. Each
+#: "refresh_rows": int, "refresh_warps": int, "persistent_refresh": bool}; ``parse_shape`` reads
+#: them from a label. Each
 #: default is the faster one measured (BENCHMARKS.md): ``early_cursor`` on (``cursor_args``),
 #: ``output_dot`` by draft length (``OUTPUT_DOT_MIN_DRAFT``), GDN's ``refresh_dot`` off (``SHAPES``).
 TUNING: dict = {}
@@ -141,13 +142,14 @@ SHAPES = {("mamba2", "fp32"): (32, 2, True), ("mamba2", "fp16"): (32, 2, True),
 def parse_shape(text: str) -> dict:
     """``TUNING`` overrides from a benchmark's shape label: "32x4" = 32 rows per program, 4 warps;
     suffix ``d`` = refresh fold on tensor cores (else the token loop), ``s`` = split refresh (else
-    fused), ``e`` = early cursor, ``o`` = outputs' read-copy products on tensor cores. E.g. "32x4ds"."""
+    fused), ``e`` = early cursor, ``o`` = outputs' read-copy products on tensor cores, ``p`` =
+    persistent refresh launch; after "/", the refresh launch's rows x warps. E.g. "32x4dsep/16x2"."""
     text, _, refresh = text.partition("/")
-    base = text.rstrip("dseo")
+    base = text.rstrip("dseop")
     rows, warps = map(int, base.split("x"))
     flags = text[len(base):]
     out = dict(block_rows=rows, num_warps=warps, refresh_dot="d" in flags, split_refresh="s" in flags,
-               early_cursor="e" in flags, output_dot="o" in flags)
+               early_cursor="e" in flags, output_dot="o" in flags, persistent_refresh="p" in flags)
     if refresh:  # "64x4s/16x2": the split refresh launch at 16 rows x 2 warps
         out["refresh_rows"], out["refresh_warps"] = map(int, refresh.split("x"))
     return out
@@ -218,6 +220,27 @@ def output_dot(cache, arch: str, T: int) -> bool:
     least = OUTPUT_DOT_MIN_DRAFT[arch]
     default = least is not None and T >= least and cache.precision.read_format.name != "nvfp4"
     return TUNING.get("output_dot", default)
+
+
+#: Programs per multiprocessor of a persistent refresh launch (``refresh_grid``).
+REFRESH_PROGRAMS_PER_SM = 8
+
+
+def refresh_grid(device, grid: tuple) -> tuple[tuple, bool]:
+    """(grid, PERSISTENT) of the split refresh launch, given the one-program-per-tile grid (row
+    blocks, heads, batch rows). Persistent (``TUNING["persistent_refresh"]``, on by default): a
+    fixed number of programs, REFRESH_PROGRAMS_PER_SM per multiprocessor (3 on the CPU, so the
+    interpreter tests run programs that loop over several tiles), loop over the tiles of the
+    slots that refresh, found on the device (``window.refresh_plan``): no host sync, and no
+    programs for the 15/16 of the slots that do not refresh in a staggered step."""
+    if not TUNING.get("persistent_refresh", True):
+        return grid, False
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        programs = sms * REFRESH_PROGRAMS_PER_SM
+    else:
+        programs = 3
+    return (min(programs, grid[0] * grid[1] * grid[2]),), True
 
 
 #: Smallest batch that gets the refresh in a launch of its own, by architecture. Smaller batches

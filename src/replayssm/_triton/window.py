@@ -56,6 +56,33 @@ def refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T: tl.conste
 
 
 @triton.jit
+def refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP: tl.constexpr, T: tl.constexpr, L: tl.constexpr,
+                 EARLY: tl.constexpr):
+    """Which of the B batch rows refresh this step, for a persistent refresh launch: (need [BP],
+    ordinal of each refreshing row among them [BP], their count). Every program computes it from
+    B slot ids and cursors (a few hundred bytes, L2-resident), so no launch waits on another."""
+    bi = tl.arange(0, BP)
+    slot = tl.load(slots_ptr + bi, mask=bi < B, other=-1)
+    valid = slot >= 0
+    if EARLY:
+        h = tl.load(cursors_ptr + bi, mask=bi < B, other=0)
+    else:
+        h = tl.load(committed_ptr + tl.where(valid, slot, 0), mask=valid, other=0)
+    need = valid & (h + T > L)
+    count = need.to(tl.int32)
+    return need, tl.cumsum(count, 0) - 1, tl.sum(count, 0)
+
+
+@triton.jit
+def refresh_item(need, ordinal, w, NB: tl.constexpr, NH):
+    """Work item w of a persistent refresh: (row block, head, batch row), the row block varying
+    fastest (neighbouring items stream one slot's contiguous state)."""
+    r = w // (NH * NB)
+    pid_b = tl.sum(tl.where(need & (ordinal == r), tl.arange(0, need.shape[0]), 0), 0)
+    return w % NB, (w // NB) % NH, pid_b
+
+
+@triton.jit
 def slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T: tl.constexpr, L: tl.constexpr):
     """(valid, storage row, committed count h, refresh due) of batch row ``pid_b``."""
     valid, row = slot_row(slots_ptr, pid_b, SCRATCH)

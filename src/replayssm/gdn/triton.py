@@ -27,7 +27,8 @@ import triton.language as tl
 
 from .._triton import launch
 from .._triton.decay import segment_to, suffix_sums
-from .._triton.window import cursor_of, early_cursor, refresh_program, slot_cursor, slot_row, window_rows, window_scalars
+from .._triton.window import (cursor_of, early_cursor, refresh_item, refresh_plan, refresh_program, slot_cursor,
+                              slot_row, window_rows, window_scalars)
 from .._triton.formats import (anchor_rows, column, load_query, load_read, load_tile, matvec, products_on_tensor_cores,
                                write_checkpoint)
 
@@ -138,28 +139,54 @@ def _fold(S, av_ptr, as_ptr, ag_ptr, mat, gidx, bk_ptr, bv_ptr, bg_ptr, bbeta_pt
 
 
 @triton.jit
+def _gdn_refresh_rows(pid_v, head, row, h, seeds_ptr, tokens_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
+                      bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, HV, HK, L: tl.constexpr, LP: tl.constexpr,
+                      DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, A_FMT: tl.constexpr,
+                      A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr,
+                      REFRESH_DOT: tl.constexpr):
+    """Refresh rows pid_v * BV ... of one head of storage row ``row`` (h committed entries)."""
+    mat = row * HV + head
+    gidx = mat * (DV // BV) + pid_v
+    rv = pid_v * BV + tl.arange(0, BV)
+    ck = tl.arange(0, DK)
+    S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
+    S = _fold(S, av_ptr, as_ptr, ag_ptr, mat, gidx, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head,
+              head // (HV // HK), h, rv, HV, HK, L, LP, DV, DK, A_FMT, REFRESH_DOT)
+    write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
+                     tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT, A_SR, R_FMT, R_SR,
+                     SHARED)
+
+
+@triton.jit
 def _gdn_refresh_kernel(
         slots_ptr, committed_ptr, cursors_ptr, tokens_ptr, seeds_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
-        bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, SCRATCH, HV, HK,
+        bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, SCRATCH, HV, HK, B,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
         BV: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
-        SHARED: tl.constexpr, EARLY_CURSOR: tl.constexpr, REFRESH_DOT: tl.constexpr):
-    """The refresh alone (the step kernel then runs with FUSED_REFRESH=False): programs of slots
-    that do not refresh this step exit after two loads."""
-    pid_v, head, pid_b, row, h, need = refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T, L,
-                                                       EARLY_CURSOR)
-    if need:
-        mat = row * HV + head
-        gidx = mat * (DV // BV) + pid_v
-        rv = pid_v * BV + tl.arange(0, BV)
-        ck = tl.arange(0, DK)
-        S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
-        S = _fold(S, av_ptr, as_ptr, ag_ptr, mat, gidx, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head,
-                  head // (HV // HK), h, rv, HV, HK, L, LP, DV, DK, A_FMT, REFRESH_DOT)
-        write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
-                         tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT, A_SR, R_FMT, R_SR,
-                         SHARED)
+        SHARED: tl.constexpr, EARLY_CURSOR: tl.constexpr, REFRESH_DOT: tl.constexpr,
+        PERSISTENT: tl.constexpr, BP: tl.constexpr):
+    """The refresh alone (the step kernel then runs with FUSED_REFRESH=False). PERSISTENT: a
+    fixed number of programs loop over the row blocks of the refreshing slots only
+    (``launch.refresh_grid``); otherwise one program per (row block, head, batch row), and those
+    of slots that do not refresh exit after two loads."""
+    if PERSISTENT:
+        need, ordinal, count = refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP, T, L, EARLY_CURSOR)
+        w = tl.program_id(0)
+        while w < count * HV * (DV // BV):  # a while loop: the interpreter's range needs host ints
+            pid_v, head, pid_b = refresh_item(need, ordinal, w, DV // BV, HV)
+            _, row = slot_row(slots_ptr, pid_b, SCRATCH)
+            _gdn_refresh_rows(pid_v, head, row, tl.load(committed_ptr + row), seeds_ptr, tokens_ptr, av_ptr,
+                              as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, HV, HK, L,
+                              LP, DV, DK, BV, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT)
+            w += tl.num_programs(0)
+    else:
+        pid_v, head, pid_b, row, h, need = refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T, L,
+                                                           EARLY_CURSOR)
+        if need:
+            _gdn_refresh_rows(pid_v, head, row, h, seeds_ptr, tokens_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr,
+                              rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, HV, HK, L, LP, DV, DK, BV, A_FMT, A_SR,
+                              R_FMT, R_SR, SHARED, REFRESH_DOT)
 
 
 @triton.jit
@@ -271,10 +298,12 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     grid = (V // bv, HV, b)
     if split:
         rbv, rwarps = launch.refresh_shape(cache, "gdn", bv, warps)
-        launch.run(_gdn_refresh_kernel, (V // rbv, HV, b), slots, cache.committed, cursors, cache.tokens,
+        rgrid, persistent = launch.refresh_grid(v.device, (V // rbv, HV, b))
+        launch.run(_gdn_refresh_kernel, rgrid, slots, cache.committed, cursors, cache.tokens,
                    cache.seeds, *anchor, *read, buf["k"], buf["v"], buf["g"], buf["beta"], cache.scratch_row, HV, HK,
-                   T=T, L=cache.window, LP=LP, DV=V, DK=cache.head_k_dim, BV=rbv, EARLY_CURSOR=early,
-                   REFRESH_DOT=refresh_dot, num_warps=rwarps, **consts)
+                   b, T=T, L=cache.window, LP=LP, DV=V, DK=cache.head_k_dim, BV=rbv, EARLY_CURSOR=early,
+                   REFRESH_DOT=refresh_dot, PERSISTENT=persistent, BP=triton.next_power_of_2(b), num_warps=rwarps,
+                   **consts)
     launch.run(
         _gdn_step_kernel, grid,
         slots, cache.committed, cursors, cache.tokens, cache.seeds, *anchor, *read,

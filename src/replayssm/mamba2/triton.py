@@ -25,7 +25,8 @@ import triton.language as tl
 
 from .._triton import launch
 from .._triton.decay import segment_to, suffix_sums
-from .._triton.window import cursor_of, early_cursor, refresh_program, slot_cursor, slot_row, window_rows, window_scalars
+from .._triton.window import (cursor_of, early_cursor, refresh_item, refresh_plan, refresh_program, slot_cursor,
+                              slot_row, window_rows, window_scalars)
 from .._triton.formats import (anchor_rows, column, load_query, load_read, load_tile, matvec, products_on_tensor_cores,
                                write_checkpoint)
 
@@ -97,29 +98,53 @@ def _fold(S, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, row, head, group, h, rv, H, G, L:
 
 
 @triton.jit
+def _mamba2_refresh_rows(pid_v, head, row, h, seeds_ptr, tokens_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
+                         bx_ptr, bdt_ptr, bla_ptr, bB_ptr, H, G, L: tl.constexpr, LP: tl.constexpr,
+                         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, A_FMT: tl.constexpr,
+                         A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr,
+                         REFRESH_DOT: tl.constexpr):
+    """Refresh rows pid_v * BV ... of one head of storage row ``row`` (h committed entries)."""
+    mat = row * H + head
+    gidx = mat * (DV // BV) + pid_v
+    rv = pid_v * BV + tl.arange(0, BV)
+    ck = tl.arange(0, DK)
+    S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
+    S = _fold(S, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, row, head, head // (H // G), h, rv, H, G, L, LP, DV, DK,
+              REFRESH_DOT)
+    write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
+                     tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT, A_SR, R_FMT, R_SR,
+                     SHARED)
+
+
+@triton.jit
 def _mamba2_refresh_kernel(
         slots_ptr, committed_ptr, cursors_ptr, tokens_ptr, seeds_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
-        bx_ptr, bdt_ptr, bla_ptr, bB_ptr, SCRATCH, H, G,
+        bx_ptr, bdt_ptr, bla_ptr, bB_ptr, SCRATCH, H, G, B,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
-        SHARED: tl.constexpr, REFRESH_DOT: tl.constexpr, EARLY_CURSOR: tl.constexpr):
-    """The refresh alone (the step kernel then runs with FUSED_REFRESH=False): programs of slots
-    that do not refresh this step exit after two loads."""
-    pid_v, head, pid_b, row, h, need = refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T, L,
-                                                       EARLY_CURSOR)
-    if need:
-        mat = row * H + head
-        gidx = mat * (DV // BV) + pid_v
-        rv = pid_v * BV + tl.arange(0, BV)
-        ck = tl.arange(0, DK)
-        S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
-        S = _fold(S, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, row, head, head // (H // G), h, rv, H, G, L, LP, DV, DK,
-                  REFRESH_DOT)
-        write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
-                         tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT, A_SR, R_FMT, R_SR,
-                         SHARED)
+        SHARED: tl.constexpr, REFRESH_DOT: tl.constexpr, EARLY_CURSOR: tl.constexpr,
+        PERSISTENT: tl.constexpr, BP: tl.constexpr):
+    """The refresh alone (the step kernel then runs with FUSED_REFRESH=False); PERSISTENT as in
+    ``_gdn_refresh_kernel``."""
+    if PERSISTENT:
+        need, ordinal, count = refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP, T, L, EARLY_CURSOR)
+        w = tl.program_id(0)
+        while w < count * H * (DV // BV):  # a while loop: the interpreter's range needs host ints
+            pid_v, head, pid_b = refresh_item(need, ordinal, w, DV // BV, H)
+            _, row = slot_row(slots_ptr, pid_b, SCRATCH)
+            _mamba2_refresh_rows(pid_v, head, row, tl.load(committed_ptr + row), seeds_ptr, tokens_ptr, av_ptr,
+                                 as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, H, G, L,
+                                 LP, DV, DK, BV, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT)
+            w += tl.num_programs(0)
+    else:
+        pid_v, head, pid_b, row, h, need = refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T, L,
+                                                           EARLY_CURSOR)
+        if need:
+            _mamba2_refresh_rows(pid_v, head, row, h, seeds_ptr, tokens_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr,
+                                 rs_ptr, rg_ptr, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, H, G, L, LP, DV, DK, BV, A_FMT,
+                                 A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT)
 
 
 @triton.jit
@@ -227,11 +252,13 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     grid = (P // bv, H, b)
     if split:
         rbv, rwarps = launch.refresh_shape(cache, "mamba2", bv, warps)
-        launch.run(_mamba2_refresh_kernel, (P // rbv, H, b), slots, cache.committed, cursors, cache.tokens,
+        rgrid, persistent = launch.refresh_grid(x.device, (P // rbv, H, b))
+        launch.run(_mamba2_refresh_kernel, rgrid, slots, cache.committed, cursors, cache.tokens,
                    cache.seeds, *anchor, *read, buf["x"], buf["dt"], buf["log_alpha"], buf["B"], cache.scratch_row,
-                   H, cache.ngroups,
+                   H, cache.ngroups, b,
                    T=T, L=cache.window, LP=LP, DV=P, DK=cache.dstate, BV=rbv, REFRESH_DOT=refresh_dot,
-                   EARLY_CURSOR=early, num_warps=rwarps, **consts)
+                   EARLY_CURSOR=early, PERSISTENT=persistent, BP=triton.next_power_of_2(b), num_warps=rwarps,
+                   **consts)
     launch.run(
         _mamba2_step_kernel, grid,
         slots, cache.committed, cursors, cache.tokens, cache.seeds, *anchor, *read,
