@@ -216,7 +216,7 @@ def output_dot(cache, arch: str, T: int) -> bool:
     """Whether a step of T tokens runs the read-copy products on tensor cores (3-pass tf32, which
     changes output bits at the 1e-7 level, never the anchor); ``TUNING["output_dot"]`` overrides.
     Not for an NVFP4 read copy: the decoded tile is not a measured win there (GDN T=4
-    tp4_hi16_sr 1999 -> 2913 us per round with this and the 16x2 refresh together)."""
+    tp4_hi16_sr 1968 -> 2326 us per round; BENCHMARKS.md)."""
     least = OUTPUT_DOT_MIN_DRAFT[arch]
     default = least is not None and T >= least and cache.precision.read_format.name != "nvfp4"
     return TUNING.get("output_dot", default)
@@ -228,12 +228,16 @@ REFRESH_PROGRAMS_PER_SM = 8
 
 def refresh_grid(device, grid: tuple) -> tuple[tuple, bool]:
     """(grid, PERSISTENT) of the split refresh launch, given the one-program-per-tile grid (row
-    blocks, heads, batch rows). Persistent (``TUNING["persistent_refresh"]``, on by default): a
+    blocks, heads, batch rows). Persistent (``TUNING["persistent_refresh"]``, off by default): a
     fixed number of programs, REFRESH_PROGRAMS_PER_SM per multiprocessor (3 on the CPU, so the
     interpreter tests run programs that loop over several tiles), loop over the tiles of the
     slots that refresh, found on the device (``window.refresh_plan``): no host sync, and no
-    programs for the 15/16 of the slots that do not refresh in a staggered step."""
-    if not TUNING.get("persistent_refresh", True):
+    programs for the 15/16 of the slots that do not refresh in a staggered step. Measured on an
+    H200 at batch 256 (us per step, one program per tile -> persistent): faster for Mamba-2
+    decode (s32_rs 379.8 -> 373.6, tp8_hi32 308.8 -> 278.9), slower elsewhere (Mamba-2 T=4
+    1031 -> 1126, tp4_hi16_sr 435 -> 460; GDN tp8_hi32 451 -> 481, T=4 1483 -> 1555, every slot
+    refreshing 1903 -> 2285), so off until its program count is tuned."""
+    if not TUNING.get("persistent_refresh", False):
         return grid, False
     if device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
