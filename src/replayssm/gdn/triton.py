@@ -79,12 +79,13 @@ def _fold(S, av_ptr, as_ptr, ag_ptr, mat, gidx, bk_ptr, bv_ptr, bg_ptr, bbeta_pt
     DOT: DESIGN §2's triangular system in matrix form. With c_j the log decay from the
     checkpoint through entry j and g(i, j] the one between entries,
     (I + N) u = beta (v - e^c (S k)),  N[j, i] = beta_j e^{g(i, j]} (k_i . k_j) for i < j,
-    and N nilpotent (N^LP = 0), so (I + N)^-1 = (I - N)(I + N^2)(I + N^4)...: log2(LP) squarings
-    and products of [LP, LP] matrices instead of LP dependent substitution steps; the [BV, DK]
+    and N nilpotent (N^LP = 0), so (I + N)^-1 = (I - N)(I + N^2)(I + N^4)...: log2(LP) - 1
+    squarings and products of [LP, LP] matrices instead of LP dependent substitution steps; the [BV, DK]
     work is three more: S K^T, R X^T and (U w) K. Every product on tensor cores, 3-pass tf32;
     the two that reduce over DK (S K^T and the Gram matrix K K^T) in column chunks of the
     anchor (reloaded, from L1) and the keys, since a product operand is held whole in registers
-    and a whole [BV, DK] or [LP, DK] one, split in two for 3-pass tf32, spills.
+    and a whole [BV, DK] or [LP, DK] one, split in two for 3-pass tf32, spills. Still slower than
+    the token loop on an H200 (register pressure; BENCHMARKS.md), so off by default (launch.SHAPES).
     Otherwise the conventional recurrence token by token (S = alpha S; u = beta (v - S k);
     S += u k^T), unrolled so that every token's buffer loads are independent of S; its [BV, DK]
     row reductions make it issue-bound (about 1e9 warp instructions for a full refresh of
