@@ -6,7 +6,8 @@ $OUT/sweep.json. Used to pick the defaults in ``_triton/launch.py`` and ``bench/
     PYTHONPATH=src python3 benchmarks/sweep_shapes.py [--presets s32_rs,tp8_hi32] [--skip-check] \
         [--shapes 16x2d,16x2ds,32x4ds] [--gdn-shapes 16x2,16x2s] [--drafts 1,4]
     # shapes as launch.parse_shape reads them: rows x warps, d = refresh fold on tensor cores, s = split,
-    # e = early cursor (an untimed experiment)
+    # e = early cursor, o = outputs' products on tensor cores, p = persistent refresh launch,
+    # "/16x2" = the refresh launch's rows x warps. A label sets every switch, defaults included.
 """
 from __future__ import annotations
 
