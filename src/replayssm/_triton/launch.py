@@ -167,16 +167,24 @@ def cursor_args(cache, slots) -> tuple:
     return cache.committed, False  # never read through this argument
 
 
+def _uses_nvfp4(cache) -> bool:
+    return "nvfp4" in {cache.precision.anchor.name, cache.precision.read_format.name}
+
+
+def _tile_rows(cache, rows: int) -> int:
+    """``rows`` if a program can own that many rows of a head, else the cache's row block: a
+    program must own whole NVFP4 global-scale blocks to encode its rows alone at a refresh (so
+    with NVFP4 the rows are exactly one row block), and tl.dot needs >= 16 rows."""
+    if _uses_nvfp4(cache) or rows < 16 or rows > cache.dv or cache.dv % rows:
+        return cache.row_block
+    return rows
+
+
 def launch_shape(cache, arch: str) -> tuple[int, int, bool]:
     """(rows of a head per program, warps per program, refresh on tensor cores) for a step of
-    ``cache``. A program must own whole NVFP4 global-scale blocks to encode its rows alone at a
-    refresh, so with an NVFP4 format the rows are exactly one row block; tl.dot needs >= 16 rows."""
-    read = cache.precision.read_format.name
-    rows, warps, dot = SHAPES[(arch, read)]
-    rows = TUNING.get("block_rows", rows)
-    fmts = {cache.precision.anchor.name, read}
-    if "nvfp4" in fmts or rows < 16 or rows > cache.dv or cache.dv % rows:
-        rows = cache.row_block
+    ``cache`` (``SHAPES``, ``TUNING`` over them, rows as ``_tile_rows`` allows)."""
+    rows, warps, dot = SHAPES[(arch, cache.precision.read_format.name)]
+    rows = _tile_rows(cache, TUNING.get("block_rows", rows))
     return rows, TUNING.get("num_warps", warps), TUNING.get("refresh_dot", dot)
 
 
@@ -194,14 +202,10 @@ REFRESH_SHAPES = {"gdn": (16, 2)}
 def refresh_shape(cache, arch: str, rows: int, warps: int) -> tuple[int, int]:
     """(rows, warps) per program of the split refresh launch, given the step kernel's:
     ``REFRESH_SHAPES`` or the step's, ``TUNING["refresh_rows"]`` / ``["refresh_warps"]`` over
-    that, with the same whole-NVFP4-block rule as ``launch_shape``."""
-    fmts = {cache.precision.anchor.name, cache.precision.read_format.name}
-    if "nvfp4" not in fmts:  # NVFP4 programs own one scale block of rows: the step's shape
+    that, rows as ``_tile_rows`` allows."""
+    if not _uses_nvfp4(cache):  # NVFP4 programs own one scale block of rows: the step's shape
         rows, warps = REFRESH_SHAPES.get(arch, (rows, warps))
-    rows, warps = TUNING.get("refresh_rows", rows), TUNING.get("refresh_warps", warps)
-    if "nvfp4" in fmts or rows < 16 or rows > cache.dv or cache.dv % rows:
-        rows = cache.row_block
-    return rows, warps
+    return _tile_rows(cache, TUNING.get("refresh_rows", rows)), TUNING.get("refresh_warps", warps)
 
 
 #: Smallest draft length T whose step computes the read-copy products of all its queries as one
