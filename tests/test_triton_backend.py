@@ -198,6 +198,41 @@ def test_split_refresh_at_its_own_launch_shape_refreshes_every_row(arch, persist
     assert not helpers.snapshot_diff(snaps[0][1], snaps[1][1])
 
 
+@pytest.mark.parametrize("precision", ["s32_rs", "tp8_hi32"])
+def test_mamba2_refresh_in_column_chunks_matches_whole_rows(precision):
+    """A Mamba-2 refresh folds and encodes 32 columns at a time (launch.refresh_columns): at
+    dstate 64 that is two passes, each with its own fp8 scale blocks, and it must give the bits
+    of one pass over whole rows (the same arithmetic per element), split or fused, and agree
+    with the float64 recurrence; a pass skipped or a scale block misplaced would not."""
+    from replayssm._triton import launch
+
+    base = helpers.make_layer("mamba2", 0, nheads=2, headdim=16, dstate=64, ngroups=1)
+    layer = TritonLayer("mamba2")
+    layer.base, layer.state_shape = base, base.state_shape
+    g = helpers.generator(23)
+    slots = torch.tensor([0, 1])
+    state = torch.randn(2, *base.state_shape, generator=g)
+    toks = [base.tokens(g, 2, 1) for _ in range(6)]  # window 4: steps 5 and 6 refresh
+    snaps = []
+    for tuning in (dict(refresh_columns=64), dict(refresh_columns=32), dict(refresh_columns=32, split_refresh=True)):
+        cache = base.cache(2, window=4, max_draft=1, precision=precision)
+        cache.load_state(slots, state)
+        launch.TUNING.update(tuning)
+        try:
+            ys = torch.cat([layer.run(cache, slots, t, False) for t in toks])
+        finally:
+            launch.TUNING.clear()
+        snaps.append((ys, helpers.snapshot(cache, slots)))  # the scratch row is never written here
+    for ys, snap in snaps[1:]:
+        assert torch.equal(snaps[0][0], ys)
+        assert not helpers.snapshot_diff(snaps[0][1], snap)
+    ref = state.double()
+    for t in toks[:4]:  # the checkpoint written at step 5 holds the first four tokens
+        _, ref = base.reference(ref, t)
+    anchor = cache.decode_anchor(slots).double()
+    assert (anchor - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
 @pytest.mark.parametrize("arch", ["mamba2", "gdn"])
 @pytest.mark.parametrize("precision", ["tp8_hi32", "f4_sr_rs"])
 def test_output_products_on_tensor_cores_keep_the_anchor_and_the_outputs(arch, precision):

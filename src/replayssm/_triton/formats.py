@@ -5,7 +5,8 @@ arithmetic (correctly rounded fp32 divisions via ``div_rn``), the same grid roun
 counter-based random bits, so that encoding an identical fp32 tile gives identical bits on both
 backends. Format ids (constexpr ``FMT``): 0 fp32, 1 fp16, 2 bf16, 3 fp8-e4m3 (32-element fp32
 block scales), 4 NVFP4 (16-element e4m3 scales + fp32 global scale per matrix).
-A tile is one [BV, BK] block of rows of one (slot, head) matrix; BK is the whole row (dk).
+A tile is one [BV, BK] block of one (slot, head) matrix: BV rows, and all dk columns or BK
+contiguous ones from a multiple of 32.
 """
 import triton
 import triton.language as tl
@@ -101,13 +102,14 @@ def anchor_rows(ra, av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV: tl.constexpr,
 @triton.jit
 def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
                DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr, SR: tl.constexpr):
-    """Encode fp32 tile S [BV, DK] (rows rv of matrix ``mat``) into format FMT and store it.
-    Stochastic rounding is keyed by
-    (seed, stream, logical element index). For NVFP4 the tile is one global-scale row block,
-    stored at ``gidx``."""
+    """Encode fp32 tile S [BV, BK] (rows rv, columns ck of matrix ``mat``) into format FMT and
+    store it: all DK columns, or BK contiguous ones from a multiple of 32 (one fp8 scale block
+    each), except NVFP4, whose tile is one whole global-scale row block, stored at ``gidx``.
+    Stochastic rounding is keyed by (seed, stream, logical element index)."""
     BV: tl.constexpr = S.shape[0]
+    BK: tl.constexpr = S.shape[1]
     row = mat * DV + rv[:, None]
-    r24 = tl.zeros((BV, DK), dtype=tl.int64)
+    r24 = tl.zeros((BV, BK), dtype=tl.int64)
     if SR:
         offset = (head.to(tl.int64) * DV + rv[:, None]) * DK + ck[None, :]  # logical, not the storage row
         r24 = (random_u32(seed, stream, offset) >> 8) & 0xFFFFFF
@@ -128,7 +130,7 @@ def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
         v = y.to(v_ptr.dtype.element_ty)
         tl.store(v_ptr + row * DK + ck[None, :], v)
     elif FMT == 3:
-        NB: tl.constexpr = DK // 32
+        NB: tl.constexpr = BK // 32
         X = tl.reshape(S, (BV, NB, 32))
         fin = tl.abs(X) < float("inf")
         bad = tl.max(tl.where(fin, 0, 1), axis=2) > 0
@@ -138,12 +140,12 @@ def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
         scale = tl.where(bad, float("nan"), scale)
         y = tl.where(bad[:, :, None], 0.0,
                      tl.math.div_rn(X, tl.broadcast_to(tl.where(bad, 1.0, scale)[:, :, None], (BV, NB, 32))))
-        y = tl.reshape(y, (BV, DK))
+        y = tl.reshape(y, (BV, BK))
         # rounded on the e4m3 grid here, so the cast is exact on every backend
         v = grid_round(y, r24, 3, -6, 448.0, SR).to(tl.float8e4nv)
         tl.store(v_ptr + row * DK + ck[None, :], v)
-        sb = tl.arange(0, NB)
-        tl.store(s_ptr + (mat * DV + rv[:, None]) * NB + sb[None, :], scale)
+        sb = tl.min(ck, 0) // 32 + tl.arange(0, NB)
+        tl.store(s_ptr + row * (DK // 32) + sb[None, :], scale)
     else:
         NB: tl.constexpr = DK // 16
         fin = tl.abs(S) < float("inf")

@@ -116,9 +116,8 @@ def check_geometry(cache):
 
 #: Launch-shape overrides, for benchmark sweeps: {"block_rows": int, "num_warps": int,
 #: "refresh_dot": bool, "split_refresh": bool, "early_cursor": bool, "output_dot": bool,
-#: "refresh_rows": int, "refresh_warps": int, "persistent_refresh": bool}; ``parse_shape`` reads
-#: them from a label. Each
-#: default is the faster one measured (BENCHMARKS.md): ``early_cursor`` on (``cursor_args``),
+#: "refresh_rows": int, "refresh_warps": int, "persistent_refresh": bool, "refresh_columns": int};
+#: ``parse_shape`` reads them from a label. Each default is the faster one measured (BENCHMARKS.md): ``early_cursor`` on (``cursor_args``),
 #: ``output_dot`` by draft length (``OUTPUT_DOT_MIN_DRAFT``), GDN's ``refresh_dot`` off (``SHAPES``).
 TUNING: dict = {}
 
@@ -143,7 +142,9 @@ def parse_shape(text: str) -> dict:
     """``TUNING`` overrides from a benchmark's shape label: "32x4" = 32 rows per program, 4 warps;
     suffix ``d`` = refresh fold on tensor cores (else the token loop), ``s`` = split refresh (else
     fused), ``e`` = early cursor, ``o`` = outputs' read-copy products on tensor cores, ``p`` =
-    persistent refresh launch; after "/", the refresh launch's rows x warps. E.g. "32x4dsep/16x2"."""
+    persistent refresh launch; after "/", the refresh launch's rows x warps; after "@", the columns a
+    Mamba-2 refresh folds at a time. E.g. "32x4dsep/16x2", "32x2dse@64"."""
+    text, _, columns = text.partition("@")
     text, _, refresh = text.partition("/")
     base = text.rstrip("dseop")
     rows, warps = map(int, base.split("x"))
@@ -152,6 +153,8 @@ def parse_shape(text: str) -> dict:
                early_cursor="e" in flags, output_dot="o" in flags, persistent_refresh="p" in flags)
     if refresh:  # "64x4s/16x2": the split refresh launch at 16 rows x 2 warps
         out["refresh_rows"], out["refresh_warps"] = map(int, refresh.split("x"))
+    if columns:  # "32x2dse@64": a Mamba-2 refresh folds 64 columns at a time
+        out["refresh_columns"] = int(columns)
     return out
 
 
@@ -206,6 +209,22 @@ def refresh_shape(cache, arch: str, rows: int, warps: int) -> tuple[int, int]:
     if not _uses_nvfp4(cache):  # NVFP4 programs own one scale block of rows: the step's shape
         rows, warps = REFRESH_SHAPES.get(arch, (rows, warps))
     return _tile_rows(cache, TUNING.get("refresh_rows", rows)), TUNING.get("refresh_warps", warps)
+
+
+#: Columns of the state a Mamba-2 refresh folds and encodes at a time (``refresh_columns``).
+REFRESH_COLUMNS = 32
+
+
+def refresh_columns(cache) -> int:
+    """Columns per pass of a Mamba-2 refresh (``mamba2.triton._mamba2_refresh_rows``): a program
+    loads, folds and encodes a [rows, columns] slice at a time, so the state slice, the
+    tensor-core product's operands and its accumulator fit in registers together (whole rows at
+    once took 249-255 registers and spilled, ptxas). A multiple of 32 (one fp8 scale block), or
+    the whole row with NVFP4, whose global scale spans the row block. ``TUNING["refresh_columns"]``
+    overrides it. The fused and split refreshes use the same value, so the same bits."""
+    if _uses_nvfp4(cache):
+        return cache.dk
+    return min(cache.dk, TUNING.get("refresh_columns", REFRESH_COLUMNS))
 
 
 #: Smallest draft length T whose step computes the read-copy products of all its queries as one

@@ -27,7 +27,7 @@ from .._triton import launch
 from .._triton.decay import segment_to, suffix_sums
 from .._triton.window import (cursor_of, early_cursor, refresh_item, refresh_plan, refresh_program, slot_cursor,
                               slot_row, window_rows, window_scalars)
-from .._triton.formats import (anchor_rows, column, load_query, load_read, load_tile, matvec, products_on_tensor_cores,
+from .._triton.formats import (column, load_query, load_read, load_tile, matvec, products_on_tensor_cores,
                                write_checkpoint)
 
 
@@ -70,50 +70,59 @@ def _mamba2_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bB_ptr, B_ptr, 
 
 
 @triton.jit
-def _fold(S, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, row, head, group, h, rv, H, G, L: tl.constexpr,
-          LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DOT: tl.constexpr):
-    """The new checkpoint's unrounded rows ``rv`` [BV, DK]: gamma_h S + sum_{j<h} w_j x_j B_j^T
-    from anchor rows S and the h committed buffer entries (w_j = gamma_{j+1:h} dt_j)."""
+def _fold_weights(bx_ptr, bdt_ptr, bla_ptr, row, head, h, rv, H, L: tl.constexpr, LP: tl.constexpr,
+                  DV: tl.constexpr):
+    """(log decay of the whole history, XW [BV, LP]) for a refresh of rows ``rv`` from the h
+    committed buffer entries: XW[:, j] = w_j x_j with w_j = gamma_{j+1:h} dt_j, zero past h."""
     j = tl.arange(0, LP)
-    ck = tl.arange(0, DK)
     buf_tok = row * L + j
-    la_c = tl.load(bla_ptr + buf_tok * H + head, mask=j < h, other=0.0)
-    w_all = tl.exp(suffix_sums(la_c, h))  # decay from each entry to the end of the history
-    S = S * tl.exp(tl.sum(la_c, 0))
-    if DOT:  # one [BV, LP] x [LP, DK] tensor-core product (3-pass tf32)
-        old = j < h
-        w = w_all * tl.load(bdt_ptr + buf_tok * H + head, mask=old, other=0.0)
-        X_c = tl.load(bx_ptr + (buf_tok[:, None] * H + head) * DV + rv[None, :], mask=old[:, None], other=0.0)
-        B_c = tl.load(bB_ptr + (buf_tok[:, None] * G + group) * DK + ck[None, :], mask=old[:, None], other=0.0)
-        S += tl.dot(tl.trans(X_c.to(tl.float32) * w[:, None]), B_c.to(tl.float32), input_precision="tf32x3")
-    else:  # one rank-1 update per committed token (w = 0 past h); unrolled, loads issue up front
+    old = j < h
+    la_c = tl.load(bla_ptr + buf_tok * H + head, mask=old, other=0.0)
+    w = tl.exp(suffix_sums(la_c, h)) * tl.load(bdt_ptr + buf_tok * H + head, mask=old, other=0.0)
+    X = tl.load(bx_ptr + (buf_tok[None, :] * H + head) * DV + rv[:, None], mask=old[None, :], other=0.0)
+    return tl.sum(la_c, 0), X.to(tl.float32) * w[None, :]
+
+
+@triton.jit
+def _fold(S, la_sum, XW, bB_ptr, row, group, h, cols, G, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr,
+          DOT: tl.constexpr):
+    """Columns ``cols`` of the new checkpoint's unrounded rows, gamma_h S + sum_{j<h} w_j x_j B_j^T,
+    from the same columns S [BV, KC] of the anchor and ``_fold_weights``."""
+    j = tl.arange(0, LP)
+    S = S * tl.exp(la_sum)
+    if DOT:  # one [BV, LP] x [LP, KC] tensor-core product (3-pass tf32)
+        B_c = tl.load(bB_ptr + ((row * L + j[:, None]) * G + group) * DK + cols[None, :], mask=(j < h)[:, None],
+                      other=0.0)
+        S += tl.dot(XW, B_c.to(tl.float32), input_precision="tf32x3")
+    else:  # one rank-1 update per committed token (XW is zero past h); unrolled
         for jj in tl.static_range(L):
-            tok_j = row * L + jj
             m = jj < h
-            w = tl.sum(tl.where(j == jj, w_all, 0.0), 0) * tl.load(bdt_ptr + tok_j * H + head, mask=m, other=0.0)
-            xr = tl.load(bx_ptr + (tok_j * H + head) * DV + rv, mask=m & (rv < DV), other=0.0).to(tl.float32)
-            kr = tl.load(bB_ptr + (tok_j * G + group) * DK + ck, mask=m & (ck < DK), other=0.0).to(tl.float32)
-            S += (xr * w)[:, None] * kr[None, :]
+            kr = tl.load(bB_ptr + ((row * L + jj) * G + group) * DK + cols, mask=m & (cols < DK), other=0.0)
+            S += tl.sum(tl.where(j[None, :] == jj, XW, 0.0), 1)[:, None] * kr.to(tl.float32)[None, :]
     return S
 
 
 @triton.jit
 def _mamba2_refresh_rows(pid_v, head, row, h, seeds_ptr, tokens_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
                          bx_ptr, bdt_ptr, bla_ptr, bB_ptr, H, G, L: tl.constexpr, LP: tl.constexpr,
-                         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, A_FMT: tl.constexpr,
-                         A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr,
-                         REFRESH_DOT: tl.constexpr):
-    """Refresh rows pid_v * BV ... of one head of storage row ``row`` (h committed entries)."""
+                         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
+                         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
+                         SHARED: tl.constexpr, REFRESH_DOT: tl.constexpr):
+    """Refresh rows pid_v * BV ... of one head of storage row ``row`` (h committed entries): fold
+    and encode KC columns at a time (``launch.refresh_columns``), so that a program holds a
+    [BV, KC] slice of the state and of the product operands instead of whole rows."""
     mat = row * H + head
     gidx = mat * (DV // BV) + pid_v
     rv = pid_v * BV + tl.arange(0, BV)
-    ck = tl.arange(0, DK)
-    S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
-    S = _fold(S, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, row, head, head // (H // G), h, rv, H, G, L, LP, DV, DK,
-              REFRESH_DOT)
-    write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
-                     tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT, A_SR, R_FMT, R_SR,
-                     SHARED)
+    la_sum, XW = _fold_weights(bx_ptr, bdt_ptr, bla_ptr, row, head, h, rv, H, L, LP, DV)
+    seed = tl.load(seeds_ptr + row)
+    tokens = tl.load(tokens_ptr + row)
+    for c in tl.static_range(DK // KC):
+        cols = c * KC + tl.arange(0, KC)
+        S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT)
+        S = _fold(S, la_sum, XW, bB_ptr, row, head // (H // G), h, cols, G, L, LP, DK, REFRESH_DOT)
+        write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, cols, seed, tokens,
+                         DV, DK, A_FMT, A_SR, R_FMT, R_SR, SHARED)
 
 
 @triton.jit
@@ -122,7 +131,7 @@ def _mamba2_refresh_kernel(
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
         bx_ptr, bdt_ptr, bla_ptr, bB_ptr, SCRATCH, H, G, B,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
-        DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+        DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, REFRESH_DOT: tl.constexpr, EARLY_CURSOR: tl.constexpr,
         PERSISTENT: tl.constexpr, BP: tl.constexpr):
@@ -135,15 +144,15 @@ def _mamba2_refresh_kernel(
             pid_v, head, row, h = refresh_item(need, ordinal, w, slots_ptr, committed_ptr, SCRATCH, DV // BV, H)
             _mamba2_refresh_rows(pid_v, head, row, h, seeds_ptr, tokens_ptr, av_ptr,
                                  as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, H, G, L,
-                                 LP, DV, DK, BV, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT)
+                                 LP, DV, DK, BV, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT)
             w += tl.num_programs(0)
     else:
         pid_v, head, pid_b, row, h, need = refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T, L,
                                                            EARLY_CURSOR)
         if need:
             _mamba2_refresh_rows(pid_v, head, row, h, seeds_ptr, tokens_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr,
-                                 rs_ptr, rg_ptr, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, H, G, L, LP, DV, DK, BV, A_FMT,
-                                 A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT)
+                                 rs_ptr, rg_ptr, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, H, G, L, LP, DV, DK, BV, KC,
+                                 A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT)
 
 
 @triton.jit
@@ -154,7 +163,7 @@ def _mamba2_step_kernel(
         x_ptr, dt_ptr, la_ptr, C_ptr, D_ptr, z_ptr, scores_ptr, y_ptr,
         SCRATCH, H, G,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
-        DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+        DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, REFRESH_DOT: tl.constexpr,
         FUSED_REFRESH: tl.constexpr, EARLY_CURSOR: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr):
@@ -176,11 +185,9 @@ def _mamba2_step_kernel(
 
     if FUSED_REFRESH:
         if need:  # refresh: fold the h committed entries into a new checkpoint, from the anchor
-            S = anchor_rows(ra, av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT, R_FMT, SHARED)
-            S = _fold(S, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, row, head, group, h, rv, H, G, L, LP, DV, DK, REFRESH_DOT)
-            write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv,
-                             ck, tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT,
-                             A_SR, R_FMT, R_SR, SHARED)
+            _mamba2_refresh_rows(pid_v, head, row, h, seeds_ptr, tokens_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr,
+                                 rg_ptr, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, H, G, L, LP, DV, DK, BV, KC, A_FMT, A_SR,
+                                 R_FMT, R_SR, SHARED, REFRESH_DOT)
             tl.debug_barrier()  # read back, as after a split refresh (write_checkpoint says why)
             ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
     h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
@@ -237,6 +244,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     y = torch.empty(b, T, H, P, dtype=torch.float32, device=x.device)
     bv, warps, refresh_dot = launch.launch_shape(cache, "mamba2")
     split = launch.split_refresh("mamba2", b)
+    kc = launch.refresh_columns(cache)
     buf = cache.buffer
     LP = max(16, triton.next_power_of_2(cache.window))
     scores = torch.empty(b, cache.ngroups, T, LP, dtype=torch.float32, device=x.device)
@@ -255,7 +263,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
         launch.run(_mamba2_refresh_kernel, rgrid, slots, cache.committed, cursors, cache.tokens,
                    cache.seeds, *anchor, *read, buf["x"], buf["dt"], buf["log_alpha"], buf["B"], cache.scratch_row,
                    H, cache.ngroups, b,
-                   T=T, L=cache.window, LP=LP, DV=P, DK=cache.dstate, BV=rbv, REFRESH_DOT=refresh_dot,
+                   T=T, L=cache.window, LP=LP, DV=P, DK=cache.dstate, BV=rbv, KC=kc, REFRESH_DOT=refresh_dot,
                    EARLY_CURSOR=early, PERSISTENT=persistent, BP=triton.next_power_of_2(b), num_warps=rwarps,
                    **consts)
     launch.run(
@@ -265,7 +273,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
         x, dt, log_alpha, C, x if D is None else D, x if z is None else z, scores, y,
         cache.scratch_row, H, cache.ngroups,
         T=T, L=cache.window, LP=LP, DV=P,
-        DK=cache.dstate, BV=bv, HAS_D=D is not None, HAS_Z=z is not None,
+        DK=cache.dstate, BV=bv, KC=kc, HAS_D=D is not None, HAS_Z=z is not None,
         REFRESH_DOT=refresh_dot, FUSED_REFRESH=not split, EARLY_CURSOR=early,
         OUTPUT_DOT=launch.output_dot(cache, "mamba2", T), QP=max(16, triton.next_power_of_2(T)),
         num_warps=warps,
