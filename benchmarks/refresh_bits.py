@@ -5,7 +5,8 @@ the anchor and read-copy bits and the outputs with the first configuration's. Pr
 per configuration. A shape whose bits differ cannot serve as the refresh shape: results would
 depend on the batch size (small batches refresh inside the step kernel).
 
-    PYTHONPATH=src python3 benchmarks/refresh_bits.py [--arch mamba2,gdn] [--refresh-shapes 16x1,16x2,32x4]
+    PYTHONPATH=src python3 benchmarks/refresh_bits.py [--arch mamba2,gdn] [--refresh-shapes 16x1,16x2,32x4] \
+        [--refresh-dot on]
 """
 from __future__ import annotations
 
@@ -45,12 +46,15 @@ def main():
     ap.add_argument("--arch", default="mamba2,gdn")
     ap.add_argument("--presets", default="s32_rs,tp8_hi32")
     ap.add_argument("--refresh-shapes", default="16x1,16x2,32x2,32x4,64x4")
+    ap.add_argument("--refresh-dot", choices=["default", "on", "off"], default="default",
+                    help="the refresh fold on tensor cores (launch.SHAPES' choice by default)")
     ap.add_argument("--small", action="store_true")
     args = ap.parse_args()
     device = "cpu" if args.small else "cuda"
     for arch in args.arch.split(","):
         for preset in args.presets.split(","):
             rows, warps, dot = launch.SHAPES[(arch, "fp32")]
+            dot = {"default": dot, "on": True, "off": False}[args.refresh_dot]
             base = dict(block_rows=rows, num_warps=warps, refresh_dot=dot)
             # "split": at the default refresh shape (launch.REFRESH_SHAPES)
             configs = [("fused", dict(base, split_refresh=False)), ("split", dict(base, split_refresh=True))]

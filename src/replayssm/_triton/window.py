@@ -75,12 +75,12 @@ def refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP: tl.constexpr, T: 
 
 @triton.jit
 def refresh_item(need, ordinal, w, slots_ptr, committed_ptr, SCRATCH, NB: tl.constexpr, NH):
-    """Work item w of a persistent refresh: (row block, head, storage row, committed count h),
-    the row block varying fastest (neighbouring items stream one slot's contiguous state)."""
+    """Work item w of a persistent refresh: (row block, head, batch row, storage row, committed
+    count h), the row block varying fastest (neighbouring items stream one slot's contiguous state)."""
     r = w // (NH * NB)
     pid_b = tl.sum(tl.where(need & (ordinal == r), tl.arange(0, need.shape[0]), 0), 0)
     _, row = slot_row(slots_ptr, pid_b, SCRATCH)
-    return w % NB, (w // NB) % NH, row, tl.load(committed_ptr + row)
+    return w % NB, (w // NB) % NH, pid_b, row, tl.load(committed_ptr + row)
 
 
 @triton.jit

@@ -29,19 +29,20 @@ from .._triton import launch
 from .._triton.decay import segment_to, suffix_sums
 from .._triton.window import (cursor_of, early_cursor, refresh_item, refresh_plan, refresh_program, slot_cursor,
                               slot_row, window_rows, window_scalars)
-from .._triton.formats import (anchor_rows, column, load_query, load_read, load_tile, matvec, products_on_tensor_cores,
+from .._triton.formats import (column, load_query, load_read, load_tile, matvec, products_on_tensor_cores,
                                write_checkpoint)
 
 
 
 @triton.jit
-def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_ptr, kn_ptr, qn_ptr, scores_ptr, scale,
-                       SCRATCH, HK, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr,
-                       NORM: tl.constexpr, EARLY_CURSOR: tl.constexpr):
+def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_ptr, kn_ptr, qn_ptr, scores_ptr,
+                       gram_ptr, scale, SCRATCH, HK, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
+                       DK: tl.constexpr, NORM: tl.constexpr, EARLY_CURSOR: tl.constexpr, GRAM: tl.constexpr):
     """Once per (batch row, key head): the T new keys and queries prepared in fp32 (L2-normalized
     when NORM, as flash-linear-attention's l2norm, queries times ``scale``) into kn, qn [b, T, HK, K]
     for the other launches; then scores[b, kh, 0, s, j] = k_j . q_s and scores[b, kh, 1, s, j] =
-    k_j . k_s over the entries of the window (committed + new)."""
+    k_j . k_s over the entries of the window (committed + new). GRAM: for a slot that refreshes,
+    also gram[b, kh, i, j] = k_i . k_j over its committed entries, for the refresh's solve."""
     pid_b, khead = tl.program_id(0), tl.program_id(1)
     ck = tl.arange(0, DK)
     for s in tl.static_range(T):
@@ -58,6 +59,14 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_p
     if EARLY_CURSOR and khead == 0:  # for the later launches of this step (window.early_cursor)
         tl.store(cursors_ptr + pid_b, h)
     j = tl.arange(0, LP)
+    if GRAM:
+        if need:  # row by row: IEEE fp32 reductions, zero past h
+            K_c = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :], mask=(j < h)[:, None],
+                          other=0.0).to(tl.float32)
+            for i in tl.static_range(L):
+                k_i = tl.load(bk_ptr + ((row * L + i) * HK + khead) * DK + ck, mask=(i < h) & (ck < DK),
+                              other=0.0).to(tl.float32)
+                tl.store(gram_ptr + ((pid_b * HK + khead) * LP + i) * LP + j, tl.sum(K_c * k_i[None, :], 1))
     h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
     K = window_rows(bk_ptr, kn_ptr, row, pid_b, h, khead, HK, ck, DK, T, L, LP)
     for s in tl.static_range(T):
@@ -70,101 +79,109 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_p
 
 
 @triton.jit
-def _fold(S, av_ptr, as_ptr, ag_ptr, mat, gidx, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, khead, h, rv, HV, HK,
-          L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, A_FMT: tl.constexpr,
-          DOT: tl.constexpr):
-    """The new checkpoint's unrounded rows ``rv`` [BV, DK] from anchor rows S, re-solving the h
-    committed tokens' residuals from the anchor (none past h).
-
-    DOT: DESIGN §2's triangular system in matrix form. With c_j the log decay from the
-    checkpoint through entry j and g(i, j] the one between entries,
-    (I + N) u = beta (v - e^c (S k)),  N[j, i] = beta_j e^{g(i, j]} (k_i . k_j) for i < j,
-    and N nilpotent (N^LP = 0), so (I + N)^-1 = (I - N)(I + N^2)(I + N^4)...: log2(LP) - 1
-    squarings and products of [LP, LP] matrices instead of LP dependent substitution steps; the [BV, DK]
-    work is three more: S K^T, R X^T and (U w) K. Every product on tensor cores, 3-pass tf32;
-    the two that reduce over DK (S K^T and the Gram matrix K K^T) in column chunks of the
-    anchor (reloaded, from L1) and the keys, since a product operand is held whole in registers
-    and a whole [BV, DK] or [LP, DK] one, split in two for 3-pass tf32, spills. Still slower than
-    the token loop on an H200 (register pressure; BENCHMARKS.md), so off by default (launch.SHAPES).
-    Otherwise the conventional recurrence token by token (S = alpha S; u = beta (v - S k);
-    S += u k^T), unrolled so that every token's buffer loads are independent of S; its [BV, DK]
-    row reductions make it issue-bound (about 1e9 warp instructions for a full refresh of
-    Qwen3.5-122B's state at batch 256, ncu)."""
+def _fold_tokens(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, khead, h, rv, HV, HK, L: tl.constexpr,
+                 DV: tl.constexpr, DK: tl.constexpr):
+    """The new checkpoint's unrounded rows ``rv`` [BV, DK] from anchor rows S by the conventional
+    recurrence over the h committed tokens (S = alpha S; u = beta (v - S k); S += u k^T),
+    unrolled so that every token's buffer loads are independent of S. Its [BV, DK] row
+    reductions form a chain of L dependent steps and make it issue-bound (about 1e9 warp
+    instructions for a full refresh of Qwen3.5-122B's state at batch 256, ncu)."""
     ck = tl.arange(0, DK)
-    if DOT:
-        j = tl.arange(0, LP)
-        buf_tok = row * L + j
-        old = j < h
-        K_c = tl.load(bk_ptr + (buf_tok[:, None] * HK + khead) * DK + ck[None, :], mask=old[:, None],
-                      other=0.0).to(tl.float32)  # [LP, DK]
-        V_c = tl.load(bv_ptr + (buf_tok[None, :] * HV + head) * DV + rv[:, None], mask=old[None, :],
-                      other=0.0).to(tl.float32)  # [BV, LP]
-        g_c = tl.load(bg_ptr + buf_tok * HV + head, mask=old, other=0.0)
-        beta_c = tl.load(bbeta_ptr + buf_tok * HV + head, mask=old, other=0.0)  # 0 past h: u = 0 there
-        # N[j, i] = beta_j e^{g(i, j]} (k_i . k_j), i < j: each segment summed directly (decay.py)
-        jj, ii = j[:, None], j[None, :]
-        seg = tl.zeros((LP, LP), dtype=tl.float32)  # g(i, j], one entry's log decay at a time
-        for m in tl.static_range(1, LP):
-            seg += tl.where((ii < m) & (m <= jj), tl.sum(tl.where(j == m, g_c, 0.0), 0), 0.0)
-        KK = tl.zeros((LP, LP), dtype=tl.float32)
-        SK = tl.zeros((S.shape[0], LP), dtype=tl.float32)  # S_anchor k_j
-        for c in tl.static_range(DK // 32):
-            cols = c * 32 + tl.arange(0, 32)
-            K_part = tl.load(bk_ptr + (buf_tok[:, None] * HK + khead) * DK + cols[None, :], mask=old[:, None],
-                             other=0.0).to(tl.float32)
-            KK += tl.dot(K_part, tl.trans(K_part), input_precision="tf32x3")
-            S_part = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT)
-            SK += tl.dot(S_part, tl.trans(K_part), input_precision="tf32x3")
-        N = tl.where(ii < jj, beta_c[:, None] * tl.exp(tl.where(ii < jj, seg, 0.0)) * KK, 0.0)
-        eye = tl.where(ii == jj, 1.0, 0.0)
-        X = eye - N
-        P = N
-        for e in tl.static_range(1, 6):  # X = (I - N)(I + N^2)(I + N^4)... while 2^e < LP
-            if (1 << e) < LP:
-                P = tl.dot(P, P, input_precision="tf32x3")
-                X = tl.dot(X, eye + P, input_precision="tf32x3")
-        c_j = tl.sum(tl.where(ii <= jj, g_c[None, :], 0.0), 1)  # log decay through j
-        U = tl.dot(beta_c[None, :] * (V_c - tl.exp(c_j)[None, :] * SK), tl.trans(X), input_precision="tf32x3")
-        w = tl.exp(suffix_sums(g_c, h))  # decay from each entry to the end of the history
-        S = S * tl.exp(tl.sum(g_c, 0)) + tl.dot(U * w[None, :], K_c, input_precision="tf32x3")
-    else:
-        for jj in tl.static_range(L):
-            tok_j = row * L + jj
-            m = jj < h
-            kr = tl.load(bk_ptr + (tok_j * HK + khead) * DK + ck, mask=m & (ck < DK), other=0.0).to(tl.float32)
-            vr = tl.load(bv_ptr + (tok_j * HV + head) * DV + rv, mask=m & (rv < DV), other=0.0).to(tl.float32)
-            S = S * tl.exp(tl.load(bg_ptr + tok_j * HV + head, mask=m, other=0.0))
-            u = tl.load(bbeta_ptr + tok_j * HV + head, mask=m, other=0.0) * (vr - tl.sum(S * kr[None, :], 1))
-            S += u[:, None] * kr[None, :]
+    for jj in tl.static_range(L):
+        tok_j = row * L + jj
+        m = jj < h
+        kr = tl.load(bk_ptr + (tok_j * HK + khead) * DK + ck, mask=m & (ck < DK), other=0.0).to(tl.float32)
+        vr = tl.load(bv_ptr + (tok_j * HV + head) * DV + rv, mask=m & (rv < DV), other=0.0).to(tl.float32)
+        S = S * tl.exp(tl.load(bg_ptr + tok_j * HV + head, mask=m, other=0.0))
+        u = tl.load(bbeta_ptr + tok_j * HV + head, mask=m, other=0.0) * (vr - tl.sum(S * kr[None, :], 1))
+        S += u[:, None] * kr[None, :]
     return S
 
 
 @triton.jit
-def _gdn_refresh_rows(pid_v, head, row, h, seeds_ptr, tokens_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
-                      bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, HV, HK, L: tl.constexpr, LP: tl.constexpr,
-                      DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, A_FMT: tl.constexpr,
+def _refresh_by_substitution(pid_b, row, head, khead, h, rv, mat, gidx, seed, tokens, gram_ptr,
+                             av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr,
+                             HV, HK, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
+                             KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr,
+                             R_SR: tl.constexpr, SHARED: tl.constexpr):
+    """The refresh of rows ``rv`` without the token chain: DESIGN §2's triangular system for the
+    committed residuals, solved by forward substitution on [BV, LP] values. With c_j the log
+    decay from the checkpoint through entry j and g(i, j] the one between entries,
+
+        u_j = beta_j (v_j - e^{c_j} (S k_j) - sum_{i<j} e^{g(i, j]} (k_i . k_j) u_i),
+        S_new = e^{c_h} S + sum_j e^{g(j, h)} u_j k_j^T.
+
+    S K^T and the final rank-h update are 3-pass-tf32 tensor-core products over KC columns of
+    the anchor at a time (loaded twice; the second load is a cache hit), the Gram matrix comes
+    from the scores launch, and the L substitution steps touch only [BV, LP] values."""
+    j = tl.arange(0, LP)
+    old = j < h
+    buf_tok = row * L + j
+    g_c = tl.load(bg_ptr + buf_tok * HV + head, mask=old, other=0.0)
+    beta_c = tl.load(bbeta_ptr + buf_tok * HV + head, mask=old, other=0.0)  # 0 past h: u = 0 there
+    V_c = tl.load(bv_ptr + (buf_tok[None, :] * HV + head) * DV + rv[:, None], mask=old[None, :],
+                  other=0.0).to(tl.float32)  # [BV, LP]
+    SK = tl.zeros((rv.shape[0], LP), dtype=tl.float32)  # S_anchor k_j
+    for c in tl.static_range(DK // KC):
+        cols = c * KC + tl.arange(0, KC)
+        K_part = tl.load(bk_ptr + (buf_tok[:, None] * HK + khead) * DK + cols[None, :], mask=old[:, None],
+                         other=0.0).to(tl.float32)
+        S_part = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT)
+        SK += tl.dot(S_part, tl.trans(K_part), input_precision="tf32x3")
+    c_j = tl.sum(tl.where(j[None, :] <= j[:, None], g_c[None, :], 0.0), 1)  # log decay through entry j
+    R = V_c - tl.exp(c_j)[None, :] * SK
+    U = tl.zeros((rv.shape[0], LP), dtype=tl.float32)
+    for jj in tl.static_range(L):  # u_jj from the residuals solved before it
+        before = tl.where(j < jj, tl.exp(tl.where(j < jj, segment_to(g_c, jj), 0.0)), 0.0) * \
+            tl.load(gram_ptr + ((pid_b * HK + khead) * LP + jj) * LP + j)
+        u = tl.sum(tl.where(j[None, :] == jj, R, -(U * before[None, :])), 1) * \
+            tl.sum(tl.where(j == jj, beta_c, 0.0), 0)
+        U = tl.where(j[None, :] == jj, u[:, None], U)
+    U = U * tl.exp(suffix_sums(g_c, h))[None, :]  # decay from each entry to the end of the history
+    decay = tl.exp(tl.sum(g_c, 0))
+    for c in tl.static_range(DK // KC):
+        cols = c * KC + tl.arange(0, KC)
+        K_part = tl.load(bk_ptr + (buf_tok[:, None] * HK + khead) * DK + cols[None, :], mask=old[:, None],
+                         other=0.0).to(tl.float32)
+        S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT) * decay
+        S += tl.dot(U, K_part, input_precision="tf32x3")
+        write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, cols, seed, tokens,
+                         DV, DK, A_FMT, A_SR, R_FMT, R_SR, SHARED)
+
+
+@triton.jit
+def _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr,
+                      rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, HV, HK, L: tl.constexpr, LP: tl.constexpr,
+                      DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr,
                       A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr,
                       REFRESH_DOT: tl.constexpr):
-    """Refresh rows pid_v * BV ... of one head of storage row ``row`` (h committed entries)."""
+    """Refresh rows pid_v * BV ... of one head of storage row ``row`` (h committed entries,
+    batch row ``pid_b``): by substitution on tensor cores (REFRESH_DOT) or token by token."""
     mat = row * HV + head
     gidx = mat * (DV // BV) + pid_v
     rv = pid_v * BV + tl.arange(0, BV)
-    ck = tl.arange(0, DK)
-    S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
-    S = _fold(S, av_ptr, as_ptr, ag_ptr, mat, gidx, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head,
-              head // (HV // HK), h, rv, HV, HK, L, LP, DV, DK, A_FMT, REFRESH_DOT)
-    write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
-                     tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT, A_SR, R_FMT, R_SR,
-                     SHARED)
+    khead = head // (HV // HK)
+    seed = tl.load(seeds_ptr + row)
+    tokens = tl.load(tokens_ptr + row)
+    if REFRESH_DOT:
+        _refresh_by_substitution(pid_b, row, head, khead, h, rv, mat, gidx, seed, tokens, gram_ptr, av_ptr, as_ptr,
+                                 ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, HV, HK, L, LP, DV,
+                                 DK, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED)
+    else:
+        ck = tl.arange(0, DK)
+        S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
+        S = _fold_tokens(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, khead, h, rv, HV, HK, L, DV, DK)
+        write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck, seed, tokens,
+                         DV, DK, A_FMT, A_SR, R_FMT, R_SR, SHARED)
 
 
 @triton.jit
 def _gdn_refresh_kernel(
-        slots_ptr, committed_ptr, cursors_ptr, tokens_ptr, seeds_ptr,
+        slots_ptr, committed_ptr, cursors_ptr, tokens_ptr, seeds_ptr, gram_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
         bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, SCRATCH, HV, HK, B,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
-        BV: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
+        BV: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, EARLY_CURSOR: tl.constexpr, REFRESH_DOT: tl.constexpr,
         PERSISTENT: tl.constexpr, BP: tl.constexpr):
     """The refresh alone (the step kernel then runs with FUSED_REFRESH=False). PERSISTENT: a
@@ -175,29 +192,30 @@ def _gdn_refresh_kernel(
         need, ordinal, count = refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP, T, L, EARLY_CURSOR)
         w = tl.program_id(0)
         while w < count * HV * (DV // BV):  # a while loop: the interpreter's range needs host ints
-            pid_v, head, row, h = refresh_item(need, ordinal, w, slots_ptr, committed_ptr, SCRATCH, DV // BV, HV)
-            _gdn_refresh_rows(pid_v, head, row, h, seeds_ptr, tokens_ptr, av_ptr,
-                              as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, HV, HK, L,
-                              LP, DV, DK, BV, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT)
+            pid_v, head, pid_b, row, h = refresh_item(need, ordinal, w, slots_ptr, committed_ptr, SCRATCH, DV // BV,
+                                                      HV)
+            _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr, av_ptr, as_ptr, ag_ptr,
+                              rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, HV, HK, L, LP, DV, DK, BV,
+                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT)
             w += tl.num_programs(0)
     else:
         pid_v, head, pid_b, row, h, need = refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T, L,
                                                            EARLY_CURSOR)
         if need:
-            _gdn_refresh_rows(pid_v, head, row, h, seeds_ptr, tokens_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr,
-                              rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, HV, HK, L, LP, DV, DK, BV, A_FMT, A_SR,
-                              R_FMT, R_SR, SHARED, REFRESH_DOT)
+            _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr, av_ptr, as_ptr, ag_ptr,
+                              rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, HV, HK, L, LP, DV, DK, BV,
+                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT)
 
 
 @triton.jit
 def _gdn_step_kernel(
-        slots_ptr, committed_ptr, cursors_ptr, tokens_ptr, seeds_ptr,
+        slots_ptr, committed_ptr, cursors_ptr, tokens_ptr, seeds_ptr, gram_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
         bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, bu_ptr,
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, scores_ptr, o_ptr,
         SCRATCH, HV, HK,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
-        DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+        DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, FUSED_REFRESH: tl.constexpr, EARLY_CURSOR: tl.constexpr, OUTPUT_DOT: tl.constexpr,
         QP: tl.constexpr, REFRESH_DOT: tl.constexpr):
@@ -218,13 +236,10 @@ def _gdn_step_kernel(
     h, need = cursor_of(committed_ptr, h_early, valid, row, T, L, EARLY_CURSOR)
 
     if FUSED_REFRESH:
-        if need:  # refresh: re-solve the committed residuals from the anchor, token by token
-            S = anchor_rows(ra, av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT, R_FMT, SHARED)
-            S = _fold(S, av_ptr, as_ptr, ag_ptr, mat, gidx, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, khead, h,
-                      rv, HV, HK, L, LP, DV, DK, A_FMT, REFRESH_DOT)
-            write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv,
-                             ck, tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT,
-                             A_SR, R_FMT, R_SR, SHARED)
+        if need:  # refresh: re-solve the committed residuals from the anchor
+            _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr, av_ptr, as_ptr, ag_ptr,
+                              rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, HV, HK, L, LP, DV, DK, BV,
+                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT)
             tl.debug_barrier()  # read back, as after a split refresh (write_checkpoint says why)
             ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
     h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
@@ -291,26 +306,28 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     kn = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     qn = torch.empty_like(kn)
     cursors, early = launch.cursor_args(cache, slots)
-    launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], k, q, kn, qn, scores,
+    gram = torch.empty(b, HK, LP, LP, dtype=torch.float32, device=v.device) if refresh_dot else scores
+    launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], k, q, kn, qn, scores, gram,
                float(scale), cache.scratch_row, HK, T=T, L=cache.window, LP=LP, DK=cache.head_k_dim, NORM=normalize,
-               EARLY_CURSOR=early)
+               EARLY_CURSOR=early, GRAM=refresh_dot)
+    kc = launch.refresh_columns(cache)
     q, k = qn, kn
     grid = (V // bv, HV, b)
     if split:
         rbv, rwarps = launch.refresh_shape(cache, "gdn", bv, warps)
         rgrid, persistent = launch.refresh_grid(v.device, (V // rbv, HV, b))
         launch.run(_gdn_refresh_kernel, rgrid, slots, cache.committed, cursors, cache.tokens,
-                   cache.seeds, *anchor, *read, buf["k"], buf["v"], buf["g"], buf["beta"], cache.scratch_row, HV, HK,
-                   b, T=T, L=cache.window, LP=LP, DV=V, DK=cache.head_k_dim, BV=rbv, EARLY_CURSOR=early,
+                   cache.seeds, gram, *anchor, *read, buf["k"], buf["v"], buf["g"], buf["beta"], cache.scratch_row, HV,
+                   HK, b, T=T, L=cache.window, LP=LP, DV=V, DK=cache.head_k_dim, BV=rbv, KC=kc, EARLY_CURSOR=early,
                    REFRESH_DOT=refresh_dot, PERSISTENT=persistent, BP=triton.next_power_of_2(b), num_warps=rwarps,
                    **consts)
     launch.run(
         _gdn_step_kernel, grid,
-        slots, cache.committed, cursors, cache.tokens, cache.seeds, *anchor, *read,
+        slots, cache.committed, cursors, cache.tokens, cache.seeds, gram, *anchor, *read,
         buf["k"], buf["v"], buf["g"], buf["beta"], buf["u"],
         q, k, v, g, beta, scores, o, cache.scratch_row, HV, HK,
         T=T, L=cache.window, LP=LP, DV=V,
-        DK=cache.head_k_dim, BV=bv, FUSED_REFRESH=not split, EARLY_CURSOR=early,
+        DK=cache.head_k_dim, BV=bv, KC=kc, FUSED_REFRESH=not split, EARLY_CURSOR=early,
         OUTPUT_DOT=launch.output_dot(cache, "gdn", T), QP=max(16, triton.next_power_of_2(2 * T)),
         REFRESH_DOT=refresh_dot,
         num_warps=warps, **consts)
