@@ -57,14 +57,15 @@ def _schedule(tr, rounds, rng):
                                            ("mamba2", "output_dot"), ("gdn", "output_dot"),
                                            ("mamba2", "all_experiments"), ("gdn", "all_experiments")])
 def test_triton_s32_matches_float64_reference(arch, variant):
-    """Both refresh folds (Mamba-2: one tensor-core product, the default, or token by token; GDN:
-    token by token, the default, or the matrix form on tensor cores), with the cursor loaded by the
-    step kernels (the early cursor is the default) and the outputs' products on tensor cores at
-    every T (the default only from launch.OUTPUT_DOT_MIN_DRAFT), through decode and verify rounds."""
+    """Both refresh folds (Mamba-2: tensor-core products, the default, or token by token; GDN:
+    forward substitution with tensor-core products, the default, or token by token), with the
+    cursor loaded by the step kernels (the early cursor is the default) and the outputs' products
+    on tensor cores at every T (the default only from launch.OUTPUT_DOT_MIN_DRAFT), through
+    decode and verify rounds."""
     from replayssm._triton import launch
 
     layer = TritonLayer(arch)
-    # the matrix form's inverse has one factor per power of two below the window: fill all of them
+    # the tensor-core folds at the window the benchmarks use: every substitution step runs
     window = 16 if variant.startswith("tensor_cores") else 8
     tr = helpers.Tracker(layer, layer.cache(4, window=window, max_draft=4), seed=3)
     if variant == "late_cursor":

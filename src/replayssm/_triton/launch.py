@@ -121,20 +121,21 @@ def check_geometry(cache):
 #: ``output_dot`` by draft length (``OUTPUT_DOT_MIN_DRAFT``), GDN's ``refresh_dot`` off (``SHAPES``).
 TUNING: dict = {}
 
-#: (rows of a head per program, warps per program, Mamba-2 refresh on tensor cores) by
+#: (rows of a head per program, warps per program, refresh fold on tensor cores) by
 #: architecture and read-copy format: the fastest measured on an H200 at batch 256, staggered
 #: windows, real geometries, split refresh (benchmarks/sweep_shapes.py; BENCHMARKS.md has the
-#: sweeps). The refresh arithmetic must not depend on the read format (the anchor's bits may
-#: not), so Mamba-2 folds on tensor cores for every preset; GDN runs the token loop (four
-#: matrix forms measured slower, the last, ``TUNING["refresh_dot"]``, 477 -> 566-628 us per
-#: staggered step: its tensor-core operands need all 255 registers). For the same reason every
-#: element-wise read format of an architecture shares one shape (GDN fp16 would gain 4% at 16x2),
-#: so the fold's summation order is the same; NVFP4 rows are one row block.
+#: sweeps). The refresh arithmetic should not depend on the read format (nor then the anchor's
+#: bits), so every element-wise read format of an architecture shares one shape and fold. Mamba-2
+#: folds with one tensor-core product per 32 columns; GDN by forward substitution with
+#: tensor-core products (``gdn.triton._refresh_by_substitution``: staggered s32_rs 477 -> 442 us,
+#: tp8_hi32 435 -> 409 against the token loop at its best refresh shape). NVFP4 rows are one row
+#: block, and GDN's NVFP4 presets keep the token loop (the substitution form there is unmeasured),
+#: so their anchors can differ from the element-wise presets' in the last bits.
 SHAPES = {("mamba2", "fp32"): (32, 2, True), ("mamba2", "fp16"): (32, 2, True),
           ("mamba2", "bf16"): (32, 2, True), ("mamba2", "fp8_e4m3"): (32, 2, True),
           ("mamba2", "nvfp4"): (32, 4, True),
-          ("gdn", "fp32"): (64, 4, False), ("gdn", "fp16"): (64, 4, False),
-          ("gdn", "bf16"): (64, 4, False), ("gdn", "fp8_e4m3"): (64, 4, False),
+          ("gdn", "fp32"): (64, 4, True), ("gdn", "fp16"): (64, 4, True),
+          ("gdn", "bf16"): (64, 4, True), ("gdn", "fp8_e4m3"): (64, 4, True),
           ("gdn", "nvfp4"): (32, 4, False)}
 
 
@@ -192,14 +193,14 @@ def launch_shape(cache, arch: str) -> tuple[int, int, bool]:
 
 
 #: (rows, warps) per program of the split refresh launch, by architecture, where it differs from
-#: the step kernel's. GDN's token-loop fold is issue-bound and keeps fewer registers live at
-#: 16 x 2 (H200, batch 256, staggered, us per step with the refresh at 64x4 -> 16x2: s32_rs 500
-#: -> 477, tp16_hi32 497 -> 472; tp8_hi32 449 -> 446). A refresh shape is only allowed where the
-#: GPU gives the fold the same bits at both shapes, or results would depend on the batch size
-#: (below SPLIT_MIN_BATCH the step kernel refreshes at its own shape): checked by
-#: benchmarks/refresh_bits.py on the H200 (GDN's token loop: the same bits at 16x1 ... 64x4;
-#: Mamba-2's tensor-core fold: different bits at 16x2, 16x4, 32x4, so it keeps the step's).
-REFRESH_SHAPES = {"gdn": (16, 2)}
+#: the step kernel's (none now). A refresh shape is only allowed where the GPU gives the fold the
+#: same bits at both shapes, or results would depend on the batch size (below SPLIT_MIN_BATCH the
+#: step kernel refreshes at its own shape): checked by benchmarks/refresh_bits.py on the H200.
+#: GDN's token loop gave the same bits at 16x1 ... 64x4 and was fastest at 16x2 (477 against 500
+#: us per staggered step at 64x4); its substitution form, the default now, gives other anchor bits
+#: at 16x2 than at the step's 64x4, and is fastest at 64x4 anyway (442 against 508 at 16x2, 459 at
+#: 32x2). Mamba-2's chunked fold gave the same bits at 16x2 and 32x2 (BENCHMARKS.md).
+REFRESH_SHAPES: dict = {}
 
 
 def refresh_shape(cache, arch: str, rows: int, warps: int) -> tuple[int, int]:

@@ -8,10 +8,11 @@ rows, value head and batch row; GDN's residuals are separable over state rows), 
 ``launch.advance`` (shared buffer fields k, g, beta and the cursors). Below
 ``launch.SPLIT_MIN_BATCH`` batch rows (per architecture) the step kernel refreshes itself (three launches).
 
-At a refresh the program re-solves the committed residuals from the *anchor* by running the
-conventional recurrence over the h buffered tokens in registers (S = alpha S; u = beta (v - S k);
-S += u k^T: forward substitution of DESIGN §2's triangular system), then casts S independently
-into anchor and read copy. Outputs solve only the new tokens' residuals against the read copy,
+At a refresh the program re-solves the committed residuals from the *anchor* (DESIGN §2's
+triangular system): by forward substitution on [rows, L] values, with S_anchor K^T and the
+rank-h update as tensor-core products (``_refresh_by_substitution``, the default for
+element-wise formats), or by the conventional recurrence token by token (``_fold_tokens``); then
+it casts S independently into anchor and read copy. Outputs solve only the new tokens' residuals against the read copy,
 reusing the cached read-path residuals of committed entries:
 
     u_s = beta_s (v_s - gamma_t S_read k_s - sum_{j < t} gamma_{j+1:t} (k_j . k_s) u_j)
