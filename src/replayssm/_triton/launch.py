@@ -129,14 +129,15 @@ TUNING: dict = {}
 #: folds with one tensor-core product per 32 columns; GDN by forward substitution with
 #: tensor-core products (``gdn.triton._refresh_by_substitution``: staggered s32_rs 477 -> 442 us,
 #: tp8_hi32 435 -> 409 against the token loop at its best refresh shape). NVFP4 rows are one row
-#: block, and GDN's NVFP4 presets keep the token loop (the substitution form there is unmeasured),
-#: so their anchors can differ from the element-wise presets' in the last bits.
+#: block; GDN's NVFP4 presets fold by substitution too, so that the read format never changes the
+#: anchor's bits (DESIGN §3), though the token loop is faster for them alone (tp4_hi16_sr 628.7
+#: against 769.3 us).
 SHAPES = {("mamba2", "fp32"): (32, 2, True), ("mamba2", "fp16"): (32, 2, True),
           ("mamba2", "bf16"): (32, 2, True), ("mamba2", "fp8_e4m3"): (32, 2, True),
           ("mamba2", "nvfp4"): (32, 4, True),
           ("gdn", "fp32"): (64, 4, True), ("gdn", "fp16"): (64, 4, True),
           ("gdn", "bf16"): (64, 4, True), ("gdn", "fp8_e4m3"): (64, 4, True),
-          ("gdn", "nvfp4"): (32, 4, False)}
+          ("gdn", "nvfp4"): (32, 4, True)}
 
 
 def parse_shape(text: str) -> dict:

@@ -123,8 +123,9 @@ def _refresh_by_substitution(pid_b, row, head, khead, h, rv, mat, gidx, seed, to
     V_c = tl.load(bv_ptr + (buf_tok[None, :] * HV + head) * DV + rv[:, None], mask=old[None, :],
                   other=0.0).to(tl.float32)  # [BV, LP]
     SK = tl.zeros((rv.shape[0], LP), dtype=tl.float32)  # S_anchor k_j
-    for c in tl.static_range(DK // KC):
-        cols = c * KC + tl.arange(0, KC)
+    SKC: tl.constexpr = 32 if DK >= 32 else DK  # not KC: the same sums whatever the write slices
+    for c in tl.static_range(DK // SKC):
+        cols = c * SKC + tl.arange(0, SKC)
         K_part = tl.load(bk_ptr + (buf_tok[:, None] * HK + khead) * DK + cols[None, :], mask=old[:, None],
                          other=0.0).to(tl.float32)
         S_part = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT)
