@@ -58,7 +58,7 @@ def _schedule(tr, rounds, rng):
                                            ("mamba2", "all_experiments"), ("gdn", "all_experiments")])
 def test_triton_s32_matches_float64_reference(arch, variant):
     """Both refresh folds (Mamba-2: tensor-core products, the default, or token by token; GDN:
-    forward substitution with tensor-core products, the default, or token by token), with the
+    token by token, the default, or forward substitution with tensor-core products), with the
     cursor loaded by the step kernels (the early cursor is the default) and the outputs' products
     on tensor cores at every T (the default only from launch.OUTPUT_DOT_MIN_DRAFT), through
     decode and verify rounds."""

@@ -124,20 +124,20 @@ TUNING: dict = {}
 #: (rows of a head per program, warps per program, refresh fold on tensor cores) by
 #: architecture and read-copy format: the fastest measured on an H200 at batch 256, staggered
 #: windows, real geometries, split refresh (benchmarks/sweep_shapes.py; BENCHMARKS.md has the
-#: sweeps). The refresh arithmetic should not depend on the read format (nor then the anchor's
-#: bits), so every element-wise read format of an architecture shares one shape and fold. Mamba-2
-#: folds with one tensor-core product per 32 columns; GDN by forward substitution with
-#: tensor-core products (``gdn.triton._refresh_by_substitution``: staggered s32_rs 477 -> 442 us,
-#: tp8_hi32 435 -> 409 against the token loop at its best refresh shape). NVFP4 rows are one row
-#: block; GDN's NVFP4 presets fold by substitution too, so that the read format never changes the
-#: anchor's bits (DESIGN §3), though the token loop is faster for them alone (tp4_hi16_sr 628.7
-#: against 769.3 us).
+#: sweeps), among folds whose anchor bits do not depend on the read format (DESIGN §3: changing
+#: the read precision leaves the anchor bit-identical; the GPU checks it, BENCHMARKS.md). Mamba-2
+#: folds with one tensor-core product per 32 columns (same anchor bits for every preset on the
+#: H200). GDN runs the token loop: its substitution form on tensor cores
+#: (``gdn.triton._refresh_by_substitution``, ``TUNING["refresh_dot"]``) is faster for element-wise
+#: read copies (staggered s32_rs 477 -> 442 us, tp8_hi32 435 -> 409), but its anchor bits depend on
+#: the tile shape on the GPU, and an NVFP4 read copy forces 32-row tiles: tp4_hi32's anchor then
+#: differed from s32_rs's by up to 1.9e-7. NVFP4 rows are one row block.
 SHAPES = {("mamba2", "fp32"): (32, 2, True), ("mamba2", "fp16"): (32, 2, True),
           ("mamba2", "bf16"): (32, 2, True), ("mamba2", "fp8_e4m3"): (32, 2, True),
           ("mamba2", "nvfp4"): (32, 4, True),
-          ("gdn", "fp32"): (64, 4, True), ("gdn", "fp16"): (64, 4, True),
-          ("gdn", "bf16"): (64, 4, True), ("gdn", "fp8_e4m3"): (64, 4, True),
-          ("gdn", "nvfp4"): (32, 4, True)}
+          ("gdn", "fp32"): (64, 4, False), ("gdn", "fp16"): (64, 4, False),
+          ("gdn", "bf16"): (64, 4, False), ("gdn", "fp8_e4m3"): (64, 4, False),
+          ("gdn", "nvfp4"): (32, 4, False)}
 
 
 def parse_shape(text: str) -> dict:
@@ -194,14 +194,14 @@ def launch_shape(cache, arch: str) -> tuple[int, int, bool]:
 
 
 #: (rows, warps) per program of the split refresh launch, by architecture, where it differs from
-#: the step kernel's (none now). A refresh shape is only allowed where the GPU gives the fold the
-#: same bits at both shapes, or results would depend on the batch size (below SPLIT_MIN_BATCH the
-#: step kernel refreshes at its own shape): checked by benchmarks/refresh_bits.py on the H200.
-#: GDN's token loop gave the same bits at 16x1 ... 64x4 and was fastest at 16x2 (477 against 500
-#: us per staggered step at 64x4); its substitution form, the default now, gives other anchor bits
-#: at 16x2 than at the step's 64x4, and is fastest at 64x4 anyway (442 against 508 at 16x2, 459 at
-#: 32x2). Mamba-2's chunked fold gave the same bits at 16x2 and 32x2 (BENCHMARKS.md).
-REFRESH_SHAPES: dict = {}
+#: the step kernel's. A refresh shape is only allowed where the GPU gives the fold the same bits at
+#: both shapes, or results would depend on the batch size (below SPLIT_MIN_BATCH the step kernel
+#: refreshes at its own shape): checked by benchmarks/refresh_bits.py on the H200. GDN's token
+#: loop gives the same bits at 16x1 ... 64x4 and is fastest at 16x2 (H200, batch 256, staggered,
+#: us per step with the refresh at 64x4 -> 16x2: s32_rs 500 -> 477, tp16_hi32 497 -> 472,
+#: tp8_hi32 449 -> 446). Its substitution form does not (other anchor bits at 16x2 than at 64x4).
+#: Mamba-2's chunked fold gave the same bits at 16x2 and 32x2 but is not faster there.
+REFRESH_SHAPES = {"gdn": (16, 2)}
 
 
 def refresh_shape(cache, arch: str, rows: int, warps: int) -> tuple[int, int]:

@@ -10,9 +10,9 @@ rows, value head and batch row; GDN's residuals are separable over state rows), 
 
 At a refresh the program re-solves the committed residuals from the *anchor* (DESIGN §2's
 triangular system): by forward substitution on [rows, L] values, with S_anchor K^T and the
-rank-h update as tensor-core products (``_refresh_by_substitution``, the default for
-element-wise formats), or by the conventional recurrence token by token (``_fold_tokens``); then
-it casts S independently into anchor and read copy. Outputs solve only the new tokens' residuals against the read copy,
+rank-h update as tensor-core products (``_refresh_by_substitution``, faster but off: its bits
+depend on the tile shape, see ``launch.SHAPES``), or by the conventional recurrence token by
+token (``_fold_tokens``, the default); then it casts S independently into anchor and read copy. Outputs solve only the new tokens' residuals against the read copy,
 reusing the cached read-path residuals of committed entries:
 
     u_s = beta_s (v_s - gamma_t S_read k_s - sum_{j < t} gamma_{j+1:t} (k_j . k_s) u_j)
