@@ -163,9 +163,9 @@ def _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_pt
     gidx = mat * (DV // BV) + pid_v
     rv = pid_v * BV + tl.arange(0, BV)
     khead = head // (HV // HK)
-    seed = tl.load(seeds_ptr + row)
-    tokens = tl.load(tokens_ptr + row)
     if REFRESH_DOT:
+        seed = tl.load(seeds_ptr + row)
+        tokens = tl.load(tokens_ptr + row)
         _refresh_by_substitution(pid_b, row, head, khead, h, rv, mat, gidx, seed, tokens, gram_ptr, av_ptr, as_ptr,
                                  ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, HV, HK, L, LP, DV,
                                  DK, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED)
@@ -173,8 +173,10 @@ def _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_pt
         ck = tl.arange(0, DK)
         S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
         S = _fold_tokens(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, khead, h, rv, HV, HK, L, DV, DK)
-        write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck, seed, tokens,
-                         DV, DK, A_FMT, A_SR, R_FMT, R_SR, SHARED)
+        # the seed and counter loaded after the fold: loaded before it, NVFP4 steps measured 10% slower
+        write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
+                         tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT, A_SR, R_FMT, R_SR,
+                         SHARED)
 
 
 @triton.jit
