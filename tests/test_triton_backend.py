@@ -53,22 +53,20 @@ def _schedule(tr, rounds, rng):
 
 @pytest.mark.parametrize("arch, variant", [("mamba2", "tensor_cores"), ("mamba2", "loop"), ("gdn", "loop"),
                                            ("gdn", "tensor_cores"), ("gdn", "tensor_cores_split"),
-                                           ("gdn", "substitute"), ("gdn", "substitute_split"),
                                            ("mamba2", "late_cursor"), ("gdn", "late_cursor"),
                                            ("mamba2", "output_dot"), ("gdn", "output_dot"),
                                            ("mamba2", "all_experiments"), ("gdn", "all_experiments")])
 def test_triton_s32_matches_float64_reference(arch, variant):
     """Both refresh folds (Mamba-2: tensor-core products, the default, or token by token; GDN:
-    token by token, the default, or forward substitution with tensor-core products or in IEEE
-    fp32, fused or split), with the
+    token by token, the default, or forward substitution with tensor-core products), with the
     cursor loaded by the step kernels (the early cursor is the default) and the outputs' products
     on tensor cores at every T (the default only from launch.OUTPUT_DOT_MIN_DRAFT), through
     decode and verify rounds."""
     from replayssm._triton import launch
 
     layer = TritonLayer(arch)
-    # the tensor-core folds and substitutions at the window the benchmarks use: every step runs
-    window = 16 if variant.startswith(("tensor_cores", "substitute")) else 8
+    # the tensor-core folds at the window the benchmarks use: every substitution step runs
+    window = 16 if variant.startswith("tensor_cores") else 8
     tr = helpers.Tracker(layer, layer.cache(4, window=window, max_draft=4), seed=3)
     if variant == "late_cursor":
         launch.TUNING["early_cursor"] = False
@@ -78,7 +76,6 @@ def test_triton_s32_matches_float64_reference(arch, variant):
         launch.TUNING.update(early_cursor=True, output_dot=True, refresh_dot=True, split_refresh=True)
     else:
         launch.TUNING["refresh_dot"] = variant.startswith("tensor_cores")
-        launch.TUNING["substitute"] = variant.startswith("substitute")
         launch.TUNING["split_refresh"] = variant.endswith("split")
     try:
         _schedule(tr, rounds=10, rng=None)

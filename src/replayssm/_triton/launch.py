@@ -116,10 +116,9 @@ def check_geometry(cache):
 
 #: Launch-shape overrides, for benchmark sweeps: {"block_rows": int, "num_warps": int,
 #: "refresh_dot": bool, "split_refresh": bool, "early_cursor": bool, "output_dot": bool,
-#: "refresh_rows": int, "refresh_warps": int, "persistent_refresh": bool, "refresh_columns": int,
-#: "substitute": bool}; ``parse_shape`` reads them from a label. Each default is the faster one
-#: measured (BENCHMARKS.md): ``early_cursor`` on (``cursor_args``), ``output_dot`` by draft length
-#: (``OUTPUT_DOT_MIN_DRAFT``), GDN's ``refresh_dot`` off (``SHAPES``), ``substitute`` off (untimed).
+#: "refresh_rows": int, "refresh_warps": int, "persistent_refresh": bool, "refresh_columns": int};
+#: ``parse_shape`` reads them from a label. Each default is the faster one measured (BENCHMARKS.md): ``early_cursor`` on (``cursor_args``),
+#: ``output_dot`` by draft length (``OUTPUT_DOT_MIN_DRAFT``), GDN's ``refresh_dot`` off (``SHAPES``).
 TUNING: dict = {}
 
 #: (rows of a head per program, warps per program, refresh fold on tensor cores) by
@@ -145,17 +144,15 @@ def parse_shape(text: str) -> dict:
     """``TUNING`` overrides from a benchmark's shape label: "32x4" = 32 rows per program, 4 warps;
     suffix ``d`` = refresh fold on tensor cores (else the token loop), ``s`` = split refresh (else
     fused), ``e`` = early cursor, ``o`` = outputs' read-copy products on tensor cores, ``p`` =
-    persistent refresh launch, ``u`` = GDN refresh by substitution in IEEE fp32 (``gdn_fold``);
-    after "/", the refresh launch's rows x warps; after "@", the columns a Mamba-2 refresh folds at
-    a time. E.g. "32x4dsep/16x2", "32x2dse@64", "64x4seu/16x2"."""
+    persistent refresh launch; after "/", the refresh launch's rows x warps; after "@", the columns a
+    Mamba-2 refresh folds at a time. E.g. "32x4dsep/16x2", "32x2dse@64"."""
     text, _, columns = text.partition("@")
     text, _, refresh = text.partition("/")
-    base = text.rstrip("dseopu")
+    base = text.rstrip("dseop")
     rows, warps = map(int, base.split("x"))
     flags = text[len(base):]
     out = dict(block_rows=rows, num_warps=warps, refresh_dot="d" in flags, split_refresh="s" in flags,
-               early_cursor="e" in flags, output_dot="o" in flags, persistent_refresh="p" in flags,
-               substitute="u" in flags)
+               early_cursor="e" in flags, output_dot="o" in flags, persistent_refresh="p" in flags)
     if refresh:  # "64x4s/16x2": the split refresh launch at 16 rows x 2 warps
         out["refresh_rows"], out["refresh_warps"] = map(int, refresh.split("x"))
     if columns:  # "32x2dse@64": a Mamba-2 refresh folds 64 columns at a time
@@ -214,17 +211,6 @@ def refresh_shape(cache, arch: str, rows: int, warps: int) -> tuple[int, int]:
     if not _uses_nvfp4(cache):  # NVFP4 programs own one scale block of rows: the step's shape
         rows, warps = REFRESH_SHAPES.get(arch, (rows, warps))
     return _tile_rows(cache, TUNING.get("refresh_rows", rows)), TUNING.get("refresh_warps", warps)
-
-
-def gdn_fold(refresh_dot: bool) -> int:
-    """The GDN refresh fold (constexpr FOLD of the GDN kernels): 1 = forward substitution with
-    tensor-core products when ``refresh_dot`` (measured faster, but its anchor bits depend on the
-    tile shape on the H200, see ``SHAPES``); else 2 = the same substitution in IEEE fp32 in a
-    shape-independent order if ``TUNING["substitute"]`` (tested on the CPU, not yet timed on a
-    GPU), or 0 = the token loop (the default)."""
-    if refresh_dot:
-        return 1
-    return 2 if TUNING.get("substitute", False) else 0
 
 
 #: Columns of the state a Mamba-2 refresh folds and encodes at a time (``refresh_columns``).

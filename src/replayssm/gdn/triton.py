@@ -100,48 +100,6 @@ def _fold_tokens(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, khead, h, rv, 
 
 
 @triton.jit
-def _fold_by_substitution(S, pid_b, row, head, khead, h, rv, gram_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, HV, HK,
-                          L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr):
-    """``_refresh_by_substitution``'s algebra in IEEE fp32 on whole anchor rows S [BV, DK], in an
-    order that no tile shape changes: the h reductions S k_j have the token loop's shape (but are
-    independent of each other, so they overlap instead of forming a chain), every decay is a sequential sum of
-    scalars, a column of a [BV, LP] value is taken out exactly (one nonzero per masked sum), and
-    each residual's corrections and the final rank-h update are applied in token order. No decay
-    multiply of the whole tile per token, as the token loop has. Returns the new rows unrounded."""
-    ck = tl.arange(0, DK)
-    j = tl.arange(0, LP)
-    col = j[None, :]
-    R = tl.zeros((rv.shape[0], LP), dtype=tl.float32)  # S_anchor k_j, then the residuals' right-hand sides
-    c = tl.zeros((LP,), dtype=tl.float32)  # log decay from the checkpoint through entry j
-    acc = 0.0
-    for jj in tl.static_range(L):
-        m = jj < h
-        kr = tl.load(bk_ptr + ((row * L + jj) * HK + khead) * DK + ck, mask=m & (ck < DK), other=0.0).to(tl.float32)
-        R = tl.where(col == jj, tl.sum(S * kr[None, :], 1)[:, None], R)
-        acc += tl.load(bg_ptr + (row * L + jj) * HV + head, mask=m, other=0.0)
-        c = tl.where(j == jj, acc, c)
-    V_c = tl.load(bv_ptr + ((row * L + j[None, :]) * HV + head) * DV + rv[:, None], mask=(j < h)[None, :],
-                  other=0.0).to(tl.float32)
-    R = V_c - tl.exp(c)[None, :] * R
-    S = S * tl.exp(acc)
-    for jj in tl.static_range(L):
-        m = jj < h
-        u = tl.load(bbeta_ptr + (row * L + jj) * HV + head, mask=m, other=0.0) * \
-            tl.sum(tl.where(col == jj, R, 0.0), 1)
-        # later residuals: R[:, i] -= e^{g(jj, i]} (k_jj . k_i) u for i > jj; decay to the end of the history
-        seg = tl.zeros((LP,), dtype=tl.float32)
-        run = 0.0  # ends as the log decay from entry jj to the end of the history (g is zero past h)
-        for kk in tl.static_range(jj + 1, L):
-            run += tl.load(bg_ptr + (row * L + kk) * HV + head, mask=kk < h, other=0.0)
-            seg = tl.where(j == kk, run, seg)
-        a = tl.where(j > jj, tl.exp(seg) * tl.load(gram_ptr + ((pid_b * HK + khead) * LP + jj) * LP + j), 0.0)
-        R = R - u[:, None] * a[None, :]
-        kr = tl.load(bk_ptr + ((row * L + jj) * HK + khead) * DK + ck, mask=m & (ck < DK), other=0.0).to(tl.float32)
-        S += (u * tl.exp(run))[:, None] * kr[None, :]
-    return S
-
-
-@triton.jit
 def _refresh_by_substitution(pid_b, row, head, khead, h, rv, mat, gidx, seed, tokens, gram_ptr,
                              av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr,
                              HV, HK, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
@@ -198,24 +156,16 @@ def _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_pt
                       rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, ra, HV, HK, L: tl.constexpr,
                       LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
                       A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
-                      SHARED: tl.constexpr, FOLD: tl.constexpr, FROM_READ: tl.constexpr):
+                      SHARED: tl.constexpr, REFRESH_DOT: tl.constexpr, FROM_READ: tl.constexpr):
     """Refresh rows pid_v * BV ... of one head of storage row ``row`` (h committed entries,
-    batch row ``pid_b``). FOLD (``launch.gdn_fold``): 0 token by token, 1 by substitution on tensor
-    cores, 2 by substitution in IEEE fp32 with bits independent of the tile shape. FROM_READ:
+    batch row ``pid_b``): by substitution on tensor cores (REFRESH_DOT) or token by token. FROM_READ:
     the step kernel's read-copy rows ``ra`` serve as the anchor's where they are the same values
     (``anchor_rows``), saving the token loop a load; otherwise ``ra`` is unused."""
     mat = row * HV + head
     gidx = mat * (DV // BV) + pid_v
     rv = pid_v * BV + tl.arange(0, BV)
     khead = head // (HV // HK)
-    if FOLD == 2:
-        S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, tl.arange(0, DK), DV, DK, A_FMT)
-        S = _fold_by_substitution(S, pid_b, row, head, khead, h, rv, gram_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr,
-                                  HV, HK, L, LP, DV, DK)
-        write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, tl.arange(0, DK),
-                         tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT, A_SR, R_FMT, R_SR,
-                         SHARED)
-    elif FOLD == 1:
+    if REFRESH_DOT:
         seed = tl.load(seeds_ptr + row)
         tokens = tl.load(tokens_ptr + row)
         _refresh_by_substitution(pid_b, row, head, khead, h, rv, mat, gidx, seed, tokens, gram_ptr, av_ptr, as_ptr,
@@ -241,7 +191,7 @@ def _gdn_refresh_kernel(
         bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, SCRATCH, HV, HK, B,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
         BV: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
-        SHARED: tl.constexpr, EARLY_CURSOR: tl.constexpr, FOLD: tl.constexpr,
+        SHARED: tl.constexpr, EARLY_CURSOR: tl.constexpr, REFRESH_DOT: tl.constexpr,
         PERSISTENT: tl.constexpr, BP: tl.constexpr):
     """The refresh alone (the step kernel then runs with FUSED_REFRESH=False). PERSISTENT: a
     fixed number of programs loop over the row blocks of the refreshing slots only
@@ -255,7 +205,7 @@ def _gdn_refresh_kernel(
                                                       HV)
             _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr, av_ptr, as_ptr, ag_ptr,
                               rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, 0.0, HV, HK, L, LP, DV, DK, BV,
-                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, FOLD, False)
+                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, False)
             w += tl.num_programs(0)
     else:
         pid_v, head, pid_b, row, h, need = refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T, L,
@@ -263,7 +213,7 @@ def _gdn_refresh_kernel(
         if need:
             _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr, av_ptr, as_ptr, ag_ptr,
                               rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, 0.0, HV, HK, L, LP, DV, DK, BV,
-                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, FOLD, False)
+                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, False)
 
 
 @triton.jit
@@ -277,7 +227,7 @@ def _gdn_step_kernel(
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, FUSED_REFRESH: tl.constexpr, EARLY_CURSOR: tl.constexpr, OUTPUT_DOT: tl.constexpr,
-        QP: tl.constexpr, FOLD: tl.constexpr):
+        QP: tl.constexpr, REFRESH_DOT: tl.constexpr):
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h_early = early_cursor(cursors_ptr, pid_b, EARLY_CURSOR)
@@ -298,7 +248,7 @@ def _gdn_step_kernel(
         if need:  # refresh: re-solve the committed residuals from the anchor
             _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr, av_ptr, as_ptr, ag_ptr,
                               rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, ra, HV, HK, L, LP, DV, DK, BV,
-                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, FOLD, True)
+                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, True)
             tl.debug_barrier()  # read back, as after a split refresh (write_checkpoint says why)
             ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
     h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
@@ -357,7 +307,6 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     o = torch.empty(b, T, HV, V, dtype=torch.float32, device=v.device)
     bv, warps, refresh_dot = launch.launch_shape(cache, "gdn")
-    fold = launch.gdn_fold(refresh_dot)
     split = launch.split_refresh("gdn", b)
     buf = cache.buffer
     LP = max(16, triton.next_power_of_2(cache.window))
@@ -366,10 +315,10 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     kn = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     qn = torch.empty_like(kn)
     cursors, early = launch.cursor_args(cache, slots)
-    gram = torch.empty(b, HK, LP, LP, dtype=torch.float32, device=v.device) if fold else scores
+    gram = torch.empty(b, HK, LP, LP, dtype=torch.float32, device=v.device) if refresh_dot else scores
     launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], k, q, kn, qn, scores, gram,
                float(scale), cache.scratch_row, HK, T=T, L=cache.window, LP=LP, DK=cache.head_k_dim, NORM=normalize,
-               EARLY_CURSOR=early, GRAM=fold != 0)
+               EARLY_CURSOR=early, GRAM=refresh_dot)
     kc = launch.refresh_columns(cache)
     q, k = qn, kn
     grid = (V // bv, HV, b)
@@ -379,7 +328,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
         launch.run(_gdn_refresh_kernel, rgrid, slots, cache.committed, cursors, cache.tokens,
                    cache.seeds, gram, *anchor, *read, buf["k"], buf["v"], buf["g"], buf["beta"], cache.scratch_row, HV,
                    HK, b, T=T, L=cache.window, LP=LP, DV=V, DK=cache.head_k_dim, BV=rbv, KC=kc, EARLY_CURSOR=early,
-                   FOLD=fold, PERSISTENT=persistent, BP=triton.next_power_of_2(b), num_warps=rwarps,
+                   REFRESH_DOT=refresh_dot, PERSISTENT=persistent, BP=triton.next_power_of_2(b), num_warps=rwarps,
                    **consts)
     launch.run(
         _gdn_step_kernel, grid,
@@ -389,7 +338,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
         T=T, L=cache.window, LP=LP, DV=V,
         DK=cache.head_k_dim, BV=bv, KC=kc, FUSED_REFRESH=not split, EARLY_CURSOR=early,
         OUTPUT_DOT=launch.output_dot(cache, "gdn", T), QP=max(16, triton.next_power_of_2(2 * T)),
-        FOLD=fold,
+        REFRESH_DOT=refresh_dot,
         num_warps=warps, **consts)
     launch.advance(cache, slots, T, commit, {"k": k, "g": g, "beta": beta})
     return o
