@@ -5,7 +5,9 @@ run, compiled by Triton for the GPU target, and assembled by the ptxas that ship
     PYTHONPATH=src python3 benchmarks/ptxas_report.py [--presets s32_rs,tp8_hi32] [--shapes 16x2ds,32x4s]
 
 High register counts mean few programs per multiprocessor (65536 registers per SM); spills go to
-local memory. Neither is a timing: BENCHMARKS.md has the timings.
+local memory. ``sass`` counts the kernel's machine instructions (nvdisasm; the kernels unroll their
+token loops, so for a refresh program this is close to what each thread issues) and ``shfl`` the
+warp shuffles among them. None of these is a timing: BENCHMARKS.md has the timings.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import replayssm as rs
 from replayssm._triton import launch
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+NVDISASM = os.path.join(os.path.dirname(PTXAS), "nvdisasm")
 TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float8_e4m3fn: "*fp8e4nv",
          torch.uint8: "*u8", torch.int32: "*i32", torch.int64: "*i64"}
 # small versions of the real geometries: same head shapes, fewer heads and slots
@@ -79,8 +82,15 @@ def assemble(kernel, args, kwargs) -> dict:
                          capture_output=True, text=True, check=True).stderr
     os.unlink(f.name)
     grab = lambda pattern: int(re.search(pattern, log).group(1))  # noqa: E731
-    return {"shared": compiled.metadata.shared, "registers": grab(r"Used (\d+) registers"), "spill_stores": grab(r"(\d+) bytes spill stores"),
-            "spill_loads": grab(r"(\d+) bytes spill loads"), "stack": grab(r"(\d+) bytes stack frame")}
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    sass = subprocess.run([NVDISASM, f.name], capture_output=True, text=True, check=True).stdout
+    os.unlink(f.name)
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    return {"shared": compiled.metadata.shared, "registers": grab(r"Used (\d+) registers"),
+            "spill_stores": grab(r"(\d+) bytes spill stores"), "spill_loads": grab(r"(\d+) bytes spill loads"),
+            "stack": grab(r"(\d+) bytes stack frame"), "sass": len(ops),
+            "shfl": sum(op.startswith("SHFL") for op in ops)}
 
 
 def main(argv=None):
@@ -94,7 +104,7 @@ def main(argv=None):
                     help="batch whose default launches to compile (split or fused refresh)")
     args = ap.parse_args(argv)
     print(f"{'arch':7s} {'preset':12s} {'shape':8s} {'kernel':24s} {'regs':>4s} {'spill st/ld':>11s} {'stack':>5s} "
-          f"{'smem':>6s}")
+          f"{'smem':>6s} {'sass':>6s} {'shfl':>5s}")
     for arch in args.arch.split(","):
         for preset in args.presets.split(","):
             for shape in args.shapes.split(","):
@@ -109,7 +119,8 @@ def main(argv=None):
                     res = assemble(kernel, a, kw)
                     shown = f"{kw['BV']}x{kw['num_warps']}"
                     print(f"{arch:7s} {preset:12s} {shown:8s} {kernel.fn.__name__:24s} {res['registers']:4d} "
-                          f"{res['spill_stores']:5d}/{res['spill_loads']:<5d} {res['stack']:5d} {res['shared']:6d}",
+                          f"{res['spill_stores']:5d}/{res['spill_loads']:<5d} {res['stack']:5d} {res['shared']:6d} "
+                          f"{res['sass']:6d} {res['shfl']:5d}",
                           flush=True)
     launch.TUNING.clear()
 
