@@ -261,7 +261,9 @@ def refresh_grid(device, grid: tuple) -> tuple[tuple, bool]:
     H200 at batch 256 (us per step, one program per tile -> persistent): faster for Mamba-2
     decode (s32_rs 379.8 -> 373.6, tp8_hi32 308.8 -> 278.9), slower elsewhere (Mamba-2 T=4
     1031 -> 1126, tp4_hi16_sr 435 -> 460; GDN tp8_hi32 451 -> 481, T=4 1483 -> 1555, every slot
-    refreshing 1903 -> 2285), so off until its program count is tuned."""
+    refreshing 1903 -> 2285), so off until its program count is tuned. With the Mamba-2 refresh in
+    column slices (fifth session): s32_rs 356.7 -> 350.0, tp8_hi32 269.2 -> 251.7, but tp16_hi32
+    259.6 -> 280.0 and T=4 978 -> 1012."""
     if not TUNING.get("persistent_refresh", False):
         return grid, False
     if device.type == "cuda":
