@@ -146,5 +146,6 @@ def test_ptxas_report_compiles_the_step_kernels_for_sm90(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split() for line in out.stdout.splitlines() if "_step_kernel" in line]
     assert {r[0] for r in rows} == {"mamba2", "gdn"}
-    for arch, preset, shape, kernel, regs, spills, stack, smem in rows:
+    for arch, preset, shape, kernel, regs, spills, stack, smem, sass, shfl in rows:
         assert 0 < int(regs) <= 255 and spills == "0/0", (arch, regs, spills)
+        assert int(sass) > int(shfl) > 0, (arch, sass, shfl)  # the step kernels reduce across lanes
