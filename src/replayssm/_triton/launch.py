@@ -12,7 +12,8 @@ A step is a fixed sequence of launches with no host synchronization in between:
    several programs of launch 3: B or k per group, dt/log decay/beta per head) and the cursors.
 
 Launch 4 must follow launch 3 because a refreshing slot writes its new tokens at positions 0..T-1,
-which, with the refresh fused, other programs of launch 3 are still folding. Every launch goes through ``run``.
+which, with the refresh fused, other programs of launch 3 are still folding. Every launch goes
+through ``run``.
 """
 from __future__ import annotations
 
@@ -117,8 +118,10 @@ def check_geometry(cache):
 #: Launch-shape overrides, for benchmark sweeps: {"block_rows": int, "num_warps": int,
 #: "refresh_dot": bool, "split_refresh": bool, "early_cursor": bool, "output_dot": bool,
 #: "refresh_rows": int, "refresh_warps": int, "persistent_refresh": bool, "refresh_columns": int};
-#: ``parse_shape`` reads them from a label. Each default is the faster one measured (BENCHMARKS.md): ``early_cursor`` on (``cursor_args``),
-#: ``output_dot`` by draft length (``OUTPUT_DOT_MIN_DRAFT``), GDN's ``refresh_dot`` off (``SHAPES``).
+#: ``parse_shape`` reads them from a label. Each default is the faster one measured
+#: (BENCHMARKS.md) among those that keep the anchor's bits: ``early_cursor`` on (``cursor_args``),
+#: ``output_dot`` by draft length (``OUTPUT_DOT_MIN_DRAFT``), ``refresh_dot`` off for GDN
+#: (``SHAPES``), ``persistent_refresh`` off (``refresh_grid``).
 TUNING: dict = {}
 
 #: (rows of a head per program, warps per program, refresh fold on tensor cores) by

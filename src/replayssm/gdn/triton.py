@@ -12,8 +12,9 @@ At a refresh the program re-solves the committed residuals from the *anchor* (DE
 triangular system): by forward substitution on [rows, L] values, with S_anchor K^T and the
 rank-h update as tensor-core products (``_refresh_by_substitution``, faster but off: its bits
 depend on the tile shape, see ``launch.SHAPES``), or by the conventional recurrence token by
-token (``_fold_tokens``, the default); then it casts S independently into anchor and read copy. Outputs solve only the new tokens' residuals against the read copy,
-reusing the cached read-path residuals of committed entries:
+token (``_fold_tokens``, the default); then it casts S independently into anchor and read copy.
+Outputs solve only the new tokens' residuals against the read copy, reusing the cached
+read-path residuals of committed entries:
 
     u_s = beta_s (v_s - gamma_t S_read k_s - sum_{j < t} gamma_{j+1:t} (k_j . k_s) u_j)
     o_s = gamma_t S_read q_s + sum_{j <= t} gamma_{j+1:t} (k_j . q_s) u_j,   t = h + s
@@ -190,8 +191,8 @@ def _gdn_refresh_kernel(
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
         bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, SCRATCH, HV, HK, B,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
-        BV: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
-        SHARED: tl.constexpr, EARLY_CURSOR: tl.constexpr, REFRESH_DOT: tl.constexpr,
+        BV: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr,
+        R_SR: tl.constexpr, SHARED: tl.constexpr, EARLY_CURSOR: tl.constexpr, REFRESH_DOT: tl.constexpr,
         PERSISTENT: tl.constexpr, BP: tl.constexpr):
     """The refresh alone (the step kernel then runs with FUSED_REFRESH=False). PERSISTENT: a
     fixed number of programs loop over the row blocks of the refreshing slots only
