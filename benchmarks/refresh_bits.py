@@ -1,7 +1,7 @@
 """Does the refresh's checkpoint depend on the launch shape? On the GPU, at real geometries: run a
 window of decode steps and then a refresh of every slot, once per launch configuration (the step
-kernel's shape with the refresh fused, split or partitioned, and split refreshes at other shapes),
-and compare the anchor and read-copy bits and the outputs with the first configuration's. Prints one line
+kernel's shape with the refresh fused or split, and split refreshes at other shapes), and compare
+the anchor and read-copy bits and the outputs with the first configuration's. Prints one line
 per configuration. A shape whose bits differ cannot serve as the refresh shape: results would
 depend on the batch size (small batches refresh inside the step kernel).
 
@@ -57,14 +57,10 @@ def main():
             dot = {"default": dot, "on": True, "off": False}[args.refresh_dot]
             base = dict(block_rows=rows, num_warps=warps, refresh_dot=dot)
             # "split": at the default refresh shape (launch.REFRESH_SHAPES)
-            configs = [("fused", dict(base, split_refresh=False)),
-                       ("split", dict(base, split_refresh=True, partition=False)),
-                       ("partition", dict(base, split_refresh=True, partition=True)),
-                       ("part+overlap", dict(base, split_refresh=True, partition=True, overlap=True))]
-            for s in args.refresh_shapes.split(","):
-                shape = dict(zip(("refresh_rows", "refresh_warps"), map(int, s.split("x"))))
-                configs += [(f"split/{s}", dict(base, split_refresh=True, partition=False, **shape)),
-                            (f"part/{s}", dict(base, split_refresh=True, partition=True, **shape))]
+            configs = [("fused", dict(base, split_refresh=False)), ("split", dict(base, split_refresh=True))]
+            configs += [(f"split/{s}", dict(base, split_refresh=True, **dict(zip(("refresh_rows", "refresh_warps"),
+                                                                             map(int, s.split("x"))))))
+                        for s in args.refresh_shapes.split(",")]
             dims = SMALL[arch] if args.small else suite.GEOMETRIES[GEO[arch]][1]
             y0, sd0 = run(arch, preset, configs[0][1], dims, device)
             for name, tuning in configs[1:]:

@@ -177,38 +177,33 @@ def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
 
 
 @triton.jit
-def load_read(v_ptr, s_ptr, g_ptr, mat, gidx, rv, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr,
-              live=None):
+def load_read(v_ptr, s_ptr, g_ptr, mat, gidx, rv, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr):
     """Rows ``rv`` of a read copy in the format's own layout, for ``matvec``: (values_a,
     values_b, scale). fp32/16/bf16: ([BV, DK], same, 1). fp8: ([BV, DK/32, 32], same, block
     scales [BV, DK/32]). NVFP4: (even elements [BV, DK/16, 8], odd elements, block scale x
-    global scale [BV, DK/16]). Nothing is expanded to [BV, DK] with per-element scale loads.
-    ``live``: an optional scalar mask; where false nothing is read (the values are undefined)."""
+    global scale [BV, DK/16]). Nothing is expanded to [BV, DK] with per-element scale loads."""
     row = mat * DV + rv
     if FMT <= 2:
         ck = tl.arange(0, DK)
-        v = tl.load(v_ptr + row[:, None] * DK + ck[None, :], mask=live).to(tl.float32)
+        v = tl.load(v_ptr + row[:, None] * DK + ck[None, :]).to(tl.float32)
         return v, v, 1.0
     elif FMT == 3:
         NB: tl.constexpr = DK // 32
         nb = tl.arange(0, NB)
         e = tl.arange(0, 32)
-        v = tl.load(v_ptr + row[:, None, None] * DK + nb[None, :, None] * 32 + e[None, None, :],
-                    mask=live).to(tl.float32)
-        sc = tl.load(s_ptr + row[:, None] * NB + nb[None, :], mask=live)
+        v = tl.load(v_ptr + row[:, None, None] * DK + nb[None, :, None] * 32 + e[None, None, :]).to(tl.float32)
+        sc = tl.load(s_ptr + row[:, None] * NB + nb[None, :])
         return v, v, sc
     else:
         NB: tl.constexpr = DK // 16
         nb = tl.arange(0, NB)
         e = tl.arange(0, 8)
-        byte = tl.load(v_ptr + row[:, None, None] * (DK // 2) + nb[None, :, None] * 8 + e[None, None, :],
-                       mask=live)
+        byte = tl.load(v_ptr + row[:, None, None] * (DK // 2) + nb[None, :, None] * 8 + e[None, None, :])
         byte = byte.to(tl.int16)
         # the fp16 bit pattern of an e2m1 code is its value times 2**-14 (folded into the scale)
         lo = (((byte & 8) << 12) | ((byte & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
         hi = (((byte & 128) << 8) | ((byte & 112) << 5)).to(tl.float16, bitcast=True).to(tl.float32)
-        sc = tl.load(s_ptr + row[:, None] * NB + nb[None, :], mask=live).to(tl.float32) * \
-            (tl.load(g_ptr + gidx, mask=live) * 16384.0)
+        sc = tl.load(s_ptr + row[:, None] * NB + nb[None, :]).to(tl.float32) * (tl.load(g_ptr + gidx) * 16384.0)
         return lo, hi, sc
 
 

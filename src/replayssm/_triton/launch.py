@@ -117,8 +117,7 @@ def check_geometry(cache):
 
 #: Launch-shape overrides, for benchmark sweeps: {"block_rows": int, "num_warps": int,
 #: "refresh_dot": bool, "split_refresh": bool, "early_cursor": bool, "output_dot": bool,
-#: "refresh_rows": int, "refresh_warps": int, "persistent_refresh": bool, "refresh_columns": int,
-#: "partition": bool, "overlap": bool};
+#: "refresh_rows": int, "refresh_warps": int, "persistent_refresh": bool, "refresh_columns": int};
 #: ``parse_shape`` reads them from a label. Each default is the faster one measured
 #: (BENCHMARKS.md) among those that keep the anchor's bits: ``early_cursor`` on (``cursor_args``),
 #: ``output_dot`` by draft length (``OUTPUT_DOT_MIN_DRAFT``), ``refresh_dot`` off for GDN
@@ -148,17 +147,15 @@ def parse_shape(text: str) -> dict:
     """``TUNING`` overrides from a benchmark's shape label: "32x4" = 32 rows per program, 4 warps;
     suffix ``d`` = refresh fold on tensor cores (else the token loop), ``s`` = split refresh (else
     fused), ``e`` = early cursor, ``o`` = outputs' read-copy products on tensor cores, ``p`` =
-    persistent refresh launch, ``t`` = partitioned step (``partition_refresh``), ``c`` = its two
-    launches on two streams (``side_by_side``); after "/", the refresh launch's rows x warps; after
-    "@", the columns a Mamba-2 refresh folds at a time. E.g. "32x4dsep/16x2", "32x2dse@64", "32x2dstc"."""
+    persistent refresh launch; after "/", the refresh launch's rows x warps; after "@", the columns a
+    Mamba-2 refresh folds at a time. E.g. "32x4dsep/16x2", "32x2dse@64"."""
     text, _, columns = text.partition("@")
     text, _, refresh = text.partition("/")
-    base = text.rstrip("dseoptc")
+    base = text.rstrip("dseop")
     rows, warps = map(int, base.split("x"))
     flags = text[len(base):]
     out = dict(block_rows=rows, num_warps=warps, refresh_dot="d" in flags, split_refresh="s" in flags,
-               early_cursor="e" in flags, output_dot="o" in flags, persistent_refresh="p" in flags,
-               partition="t" in flags, overlap="c" in flags)
+               early_cursor="e" in flags, output_dot="o" in flags, persistent_refresh="p" in flags)
     if refresh:  # "64x4s/16x2": the split refresh launch at 16 rows x 2 warps
         out["refresh_rows"], out["refresh_warps"] = map(int, refresh.split("x"))
     if columns:  # "32x2dse@64": a Mamba-2 refresh folds 64 columns at a time
@@ -285,48 +282,6 @@ def refresh_grid(device, grid: tuple) -> tuple[tuple, bool]:
 #: s32_rs, us per step split -> fused: batch 1 Mamba-2 9.6 -> 8.1, GDN 11.3 -> 9.8; batch 8
 #: Mamba-2 20.0 -> 21.5, GDN 34.1 -> 31.7; BENCHMARKS.md).
 SPLIT_MIN_BATCH = {"mamba2": 8, "gdn": 32}
-
-
-#: ``SLOTS`` of a step kernel launch: every batch row, only those whose slot does not refresh
-#: this step, or only those whose slot does (refreshed inside that launch).
-STEP_SLOTS = {"all": 0, "not_refreshing": 1, "refreshing": 2}
-
-#: Whether a split step partitions its batch rows (``partition_refresh``), by architecture.
-PARTITION = {"mamba2": False, "gdn": False}
-
-
-def partition_refresh(arch: str) -> bool:
-    """At batch >= SPLIT_MIN_BATCH, whether the step kernel runs as two launches over disjoint
-    batch rows instead of a refresh launch then a step over every row: one launch for the
-    refreshing slots, which refreshes their rows and computes their outputs with the fused
-    kernel's code (reading back the rows it just wrote, a cache hit), and one for the others,
-    which skips the refreshing slots' rows, so no refreshed row is read back from DRAM. Same
-    code as the fused and split forms, so the same bits (tested). ``TUNING["partition"]``
-    overrides it."""
-    return TUNING.get("partition", PARTITION[arch])
-
-
-_SIDE_STREAMS: dict = {}
-
-
-def side_by_side(device, first, second):
-    """Run ``first()`` then ``second()``, two launches over disjoint data that both follow the
-    launches before them and precede those after. With ``TUNING["overlap"]`` on a CUDA device,
-    ``first`` goes to a second stream that forks from and joins the current one (capturable in a
-    CUDA graph), so the two launches can share the GPU."""
-    if device.type != "cuda" or not TUNING.get("overlap", False):
-        first()
-        second()
-        return
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(index)
-    main, side = torch.cuda.current_stream(index), _SIDE_STREAMS[index]
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        first()
-    second()
-    main.wait_stream(side)
 
 
 def split_refresh(arch: str, batch: int) -> bool:

@@ -218,16 +218,42 @@ def _gdn_refresh_kernel(
 
 
 @triton.jit
-def _gdn_outputs(ra, rb, rsc, valid, row, pid_b, h, head, khead, rv, bv_ptr, bg_ptr, bu_ptr,
-                 q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, scores_ptr, o_ptr, HV, HK,
-                 T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
-                 R_FMT: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr, live=True):
-    """Residuals and outputs of rows ``rv`` of one value head for the T new tokens, from the read
-    copy (``load_read``'s parts) and the window of h committed entries; then the new tokens' v and
-    u rows, which only this program reads. Nothing is stored where the scalar ``live`` is false."""
+def _gdn_step_kernel(
+        slots_ptr, committed_ptr, cursors_ptr, tokens_ptr, seeds_ptr, gram_ptr,
+        av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
+        bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, bu_ptr,
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, scores_ptr, o_ptr,
+        SCRATCH, HV, HK,
+        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
+        DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
+        A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
+        SHARED: tl.constexpr, FUSED_REFRESH: tl.constexpr, EARLY_CURSOR: tl.constexpr, OUTPUT_DOT: tl.constexpr,
+        QP: tl.constexpr, REFRESH_DOT: tl.constexpr):
+    # row blocks vary fastest: programs running side by side stream one slot's contiguous state
+    pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    h_early = early_cursor(cursors_ptr, pid_b, EARLY_CURSOR)
+    valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
+    khead = head // (HV // HK)
+    mat = row * HV + head
+    gidx = mat * (DV // BV) + pid_v  # NVFP4 global-scale block of these rows
+    rv = pid_v * BV + tl.arange(0, BV)
     ck = tl.arange(0, DK)
     j = tl.arange(0, LP)
     buf_tok = row * L + j
+    # the read copy in its own layout (the anchor itself when shared), issued before the cursor
+    # load so that the two latencies overlap; a refreshing program replaces it below
+    ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
+    h, need = cursor_of(committed_ptr, h_early, valid, row, T, L, EARLY_CURSOR)
+
+    if FUSED_REFRESH:
+        if need:  # refresh: re-solve the committed residuals from the anchor
+            _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr, av_ptr, as_ptr, ag_ptr,
+                              rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, ra, HV, HK, L, LP, DV, DK, BV,
+                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, True)
+            tl.debug_barrier()  # read back, as after a split refresh (write_checkpoint says why)
+            ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
+    h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
+
     old = j < h
     g = window_scalars(bg_ptr, g_ptr, row, pid_b, h, head, HV, T, L, LP)
     U = tl.load(bu_ptr + (buf_tok[None, :] * HV + head) * DV + rv[:, None], mask=old[None, :], other=0.0)
@@ -264,64 +290,9 @@ def _gdn_outputs(ra, rb, rsc, valid, row, pid_b, h, head, khead, rv, bv_ptr, bg_
         upto = tl.where(j <= t, tl.exp(tl.where(j <= t, seg, float("-inf"))), 0.0) * \
             tl.load(scores_ptr + base + j)
         o = tl.exp(c_t) * Sq_read + tl.sum(U * upto[None, :], 1)
-        tl.store(o_ptr + (tok_in * HV + head) * DV + rv, tl.where(valid, o, 0.0), mask=live)
-        tl.store(bv_ptr + (tok_buf * HV + head) * DV + rv, v_s, mask=live)
-        tl.store(bu_ptr + (tok_buf * HV + head) * DV + rv, u_s, mask=live)
-
-
-@triton.jit
-def _gdn_step_kernel(
-        slots_ptr, committed_ptr, cursors_ptr, tokens_ptr, seeds_ptr, gram_ptr,
-        av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
-        bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, bu_ptr,
-        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, scores_ptr, o_ptr,
-        SCRATCH, HV, HK,
-        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
-        DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
-        A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
-        SHARED: tl.constexpr, FUSED_REFRESH: tl.constexpr, SLOTS: tl.constexpr, EARLY_CURSOR: tl.constexpr,
-        OUTPUT_DOT: tl.constexpr, QP: tl.constexpr, REFRESH_DOT: tl.constexpr):
-    """SLOTS as in ``_mamba2_step_kernel`` (``launch.STEP_SLOTS``)."""
-    # row blocks vary fastest: programs running side by side stream one slot's contiguous state
-    pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    h_early = early_cursor(cursors_ptr, pid_b, EARLY_CURSOR)
-    valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
-    khead = head // (HV // HK)
-    mat = row * HV + head
-    gidx = mat * (DV // BV) + pid_v  # NVFP4 global-scale block of these rows
-    rv = pid_v * BV + tl.arange(0, BV)
-    if SLOTS == 0:
-        # the read copy in its own layout (the anchor itself when shared), issued before the
-        # cursor load so that the two latencies overlap; a refreshing program replaces it below
-        ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
-        h, need = cursor_of(committed_ptr, h_early, valid, row, T, L, EARLY_CURSOR)
-        if FUSED_REFRESH:
-            if need:  # refresh: re-solve the committed residuals from the anchor
-                _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr, av_ptr, as_ptr,
-                                  ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, ra, HV, HK, L,
-                                  LP, DV, DK, BV, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, True)
-                tl.debug_barrier()  # read back, as after a split refresh (write_checkpoint says why)
-                ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
-        h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
-        _gdn_outputs(ra, rb, rsc, valid, row, pid_b, h, head, khead, rv, bv_ptr, bg_ptr, bu_ptr, q_ptr, k_ptr, v_ptr,
-                     g_ptr, beta_ptr, scores_ptr, o_ptr, HV, HK, T, L, LP, DV, DK, R_FMT, OUTPUT_DOT, QP)
-    elif SLOTS == 1:
-        h, need = cursor_of(committed_ptr, h_early, valid, row, T, L, EARLY_CURSOR)
-        # masked rather than branched on: the loads stay as early as in the other forms
-        ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT, ~need)
-        _gdn_outputs(ra, rb, rsc, valid, row, pid_b, h, head, khead, rv, bv_ptr, bg_ptr, bu_ptr, q_ptr, k_ptr,
-                     v_ptr, g_ptr, beta_ptr, scores_ptr, o_ptr, HV, HK, T, L, LP, DV, DK, R_FMT, OUTPUT_DOT, QP, ~need)
-    else:
-        h, need = cursor_of(committed_ptr, h_early, valid, row, T, L, EARLY_CURSOR)
-        if need:
-            _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr, av_ptr, as_ptr, ag_ptr,
-                              rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, 0.0, HV, HK, L, LP, DV, DK,
-                              BV, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, False)
-            tl.debug_barrier()  # read back (write_checkpoint says why); a cache hit
-            ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
-            _gdn_outputs(ra, rb, rsc, valid, row, pid_b, tl.where(need, 0, h), head, khead, rv, bv_ptr, bg_ptr,
-                         bu_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, scores_ptr, o_ptr, HV, HK, T, L, LP, DV, DK,
-                         R_FMT, OUTPUT_DOT, QP)
+        tl.store(o_ptr + (tok_in * HV + head) * DV + rv, tl.where(valid, o, 0.0))
+        tl.store(bv_ptr + (tok_buf * HV + head) * DV + rv, v_s)  # rows only this program reads
+        tl.store(bu_ptr + (tok_buf * HV + head) * DV + rv, u_s)
 
 
 def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: bool):
@@ -351,25 +322,8 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
                EARLY_CURSOR=early, GRAM=refresh_dot)
     kc = launch.refresh_columns(cache)
     q, k = qn, kn
-
-    def step_kernel(slots_of: str, fused: bool, rows: int = bv, num_warps: int = warps):
-        launch.run(
-            _gdn_step_kernel, (V // rows, HV, b),
-            slots, cache.committed, cursors, cache.tokens, cache.seeds, gram, *anchor, *read,
-            buf["k"], buf["v"], buf["g"], buf["beta"], buf["u"],
-            q, k, v, g, beta, scores, o, cache.scratch_row, HV, HK,
-            T=T, L=cache.window, LP=LP, DV=V,
-            DK=cache.head_k_dim, BV=rows, KC=kc, FUSED_REFRESH=fused, SLOTS=launch.STEP_SLOTS[slots_of],
-            EARLY_CURSOR=early, OUTPUT_DOT=launch.output_dot(cache, "gdn", T),
-            QP=max(16, triton.next_power_of_2(2 * T)), REFRESH_DOT=refresh_dot, num_warps=num_warps, **consts)
-
-    if not split:
-        step_kernel("all", fused=True)
-    elif launch.partition_refresh("gdn"):  # the refreshing slots at the refresh launch's shape
-        rbv, rwarps = launch.refresh_shape(cache, "gdn", bv, warps)
-        launch.side_by_side(v.device, lambda: step_kernel("refreshing", True, rbv, rwarps),
-                            lambda: step_kernel("not_refreshing", fused=False))
-    else:
+    grid = (V // bv, HV, b)
+    if split:
         rbv, rwarps = launch.refresh_shape(cache, "gdn", bv, warps)
         rgrid, persistent = launch.refresh_grid(v.device, (V // rbv, HV, b))
         launch.run(_gdn_refresh_kernel, rgrid, slots, cache.committed, cursors, cache.tokens,
@@ -377,6 +331,15 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
                    HK, b, T=T, L=cache.window, LP=LP, DV=V, DK=cache.head_k_dim, BV=rbv, KC=kc, EARLY_CURSOR=early,
                    REFRESH_DOT=refresh_dot, PERSISTENT=persistent, BP=triton.next_power_of_2(b), num_warps=rwarps,
                    **consts)
-        step_kernel("all", fused=False)
+    launch.run(
+        _gdn_step_kernel, grid,
+        slots, cache.committed, cursors, cache.tokens, cache.seeds, gram, *anchor, *read,
+        buf["k"], buf["v"], buf["g"], buf["beta"], buf["u"],
+        q, k, v, g, beta, scores, o, cache.scratch_row, HV, HK,
+        T=T, L=cache.window, LP=LP, DV=V,
+        DK=cache.head_k_dim, BV=bv, KC=kc, FUSED_REFRESH=not split, EARLY_CURSOR=early,
+        OUTPUT_DOT=launch.output_dot(cache, "gdn", T), QP=max(16, triton.next_power_of_2(2 * T)),
+        REFRESH_DOT=refresh_dot,
+        num_warps=warps, **consts)
     launch.advance(cache, slots, T, commit, {"k": k, "g": g, "beta": beta})
     return o

@@ -156,17 +156,42 @@ def _mamba2_refresh_kernel(
 
 
 @triton.jit
-def _mamba2_outputs(ra, rb, rsc, valid, row, pid_b, h, head, group, rv,
-                    bx_ptr, bdt_ptr, bla_ptr, x_ptr, dt_ptr, la_ptr, C_ptr, D_ptr, z_ptr, scores_ptr, y_ptr, H, G,
-                    T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
-                    R_FMT: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, OUTPUT_DOT: tl.constexpr,
-                    QP: tl.constexpr, live=True):
-    """Outputs of rows ``rv`` of one head for the T new tokens, from the read copy (``load_read``'s
-    parts) and the window of h committed entries; then the new tokens' x rows, which only this
-    program reads. Nothing is stored where the scalar ``live`` is false."""
+def _mamba2_step_kernel(
+        slots_ptr, committed_ptr, cursors_ptr, tokens_ptr, seeds_ptr,
+        av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
+        bx_ptr, bdt_ptr, bla_ptr, bB_ptr,
+        x_ptr, dt_ptr, la_ptr, C_ptr, D_ptr, z_ptr, scores_ptr, y_ptr,
+        SCRATCH, H, G,
+        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
+        DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
+        A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
+        SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, REFRESH_DOT: tl.constexpr,
+        FUSED_REFRESH: tl.constexpr, EARLY_CURSOR: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr):
+    # row blocks vary fastest: programs running side by side stream one slot's contiguous state
+    pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    h_early = early_cursor(cursors_ptr, pid_b, EARLY_CURSOR)
+    valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
+    group = head // (H // G)
+    mat = row * H + head
+    gidx = mat * (DV // BV) + pid_v  # NVFP4 global-scale block of these rows
+    rv = pid_v * BV + tl.arange(0, BV)
     ck = tl.arange(0, DK)
     j = tl.arange(0, LP)
     buf_tok = row * L + j  # [LP] buffer token index of this slot
+    # the read copy in its own layout (the anchor itself when shared), issued before the cursor
+    # load so that the two latencies overlap; a refreshing program replaces it below
+    ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
+    h, need = cursor_of(committed_ptr, h_early, valid, row, T, L, EARLY_CURSOR)
+
+    if FUSED_REFRESH:
+        if need:  # refresh: fold the h committed entries into a new checkpoint, from the anchor
+            _mamba2_refresh_rows(pid_v, head, row, h, seeds_ptr, tokens_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr,
+                                 rg_ptr, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, H, G, L, LP, DV, DK, BV, KC, A_FMT, A_SR,
+                                 R_FMT, R_SR, SHARED, REFRESH_DOT)
+            tl.debug_barrier()  # read back, as after a split refresh (write_checkpoint says why)
+            ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
+    h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
+
     # the window's entries: committed ones from the buffer, the T new ones from the inputs
     new = (j >= h) & (j < h + T)
     la = window_scalars(bla_ptr, la_ptr, row, pid_b, h, head, H, T, L, LP)
@@ -198,70 +223,10 @@ def _mamba2_outputs(ra, rb, rsc, valid, row, pid_b, h, head, group, rv,
             if HAS_Z:
                 zq = tl.load(z_ptr + out).to(tl.float32)
                 y *= zq * tl.sigmoid(zq)
-        tl.store(y_ptr + out, tl.where(valid, y, 0.0), mask=live)
-    # the new tokens' x rows (rounded to the buffer dtype)
+        tl.store(y_ptr + out, tl.where(valid, y, 0.0))
+    # the new tokens' x rows (rounded to the buffer dtype): only this program reads them
     tl.store(bx_ptr + (buf_tok[:, None] * H + head) * DV + rv[None, :], X.to(bx_ptr.dtype.element_ty),
-             mask=new[:, None] & live)
-
-
-@triton.jit
-def _mamba2_step_kernel(
-        slots_ptr, committed_ptr, cursors_ptr, tokens_ptr, seeds_ptr,
-        av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
-        bx_ptr, bdt_ptr, bla_ptr, bB_ptr,
-        x_ptr, dt_ptr, la_ptr, C_ptr, D_ptr, z_ptr, scores_ptr, y_ptr,
-        SCRATCH, H, G,
-        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
-        DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
-        A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
-        SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, REFRESH_DOT: tl.constexpr,
-        FUSED_REFRESH: tl.constexpr, SLOTS: tl.constexpr, EARLY_CURSOR: tl.constexpr, OUTPUT_DOT: tl.constexpr,
-        QP: tl.constexpr):
-    """SLOTS (``launch.STEP_SLOTS``): 0 every batch row (refreshing ones refreshed here when
-    FUSED_REFRESH, else by the refresh kernel before); 1 only rows whose slot does not refresh;
-    2 only rows whose slot refreshes, refreshed here."""
-    # row blocks vary fastest: programs running side by side stream one slot's contiguous state
-    pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    h_early = early_cursor(cursors_ptr, pid_b, EARLY_CURSOR)
-    valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
-    group = head // (H // G)
-    mat = row * H + head
-    gidx = mat * (DV // BV) + pid_v  # NVFP4 global-scale block of these rows
-    rv = pid_v * BV + tl.arange(0, BV)
-    if SLOTS == 0:
-        # the read copy in its own layout (the anchor itself when shared), issued before the
-        # cursor load so that the two latencies overlap; a refreshing program replaces it below
-        ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
-        h, need = cursor_of(committed_ptr, h_early, valid, row, T, L, EARLY_CURSOR)
-        if FUSED_REFRESH:
-            if need:  # refresh: fold the h committed entries into a new checkpoint, from the anchor
-                _mamba2_refresh_rows(pid_v, head, row, h, seeds_ptr, tokens_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr,
-                                     rs_ptr, rg_ptr, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, H, G, L, LP, DV, DK, BV, KC,
-                                     A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT)
-                tl.debug_barrier()  # read back, as after a split refresh (write_checkpoint says why)
-                ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
-        h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
-        _mamba2_outputs(ra, rb, rsc, valid, row, pid_b, h, head, group, rv, bx_ptr, bdt_ptr, bla_ptr, x_ptr, dt_ptr,
-                        la_ptr, C_ptr, D_ptr, z_ptr, scores_ptr, y_ptr, H, G, T, L, LP, DV, DK, R_FMT, HAS_D, HAS_Z,
-                        OUTPUT_DOT, QP)
-    elif SLOTS == 1:
-        h, need = cursor_of(committed_ptr, h_early, valid, row, T, L, EARLY_CURSOR)
-        # masked rather than branched on: the loads stay as early as in the other forms
-        ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT, ~need)
-        _mamba2_outputs(ra, rb, rsc, valid, row, pid_b, h, head, group, rv, bx_ptr, bdt_ptr, bla_ptr, x_ptr,
-                        dt_ptr, la_ptr, C_ptr, D_ptr, z_ptr, scores_ptr, y_ptr, H, G, T, L, LP, DV, DK, R_FMT,
-                        HAS_D, HAS_Z, OUTPUT_DOT, QP, ~need)
-    else:
-        h, need = cursor_of(committed_ptr, h_early, valid, row, T, L, EARLY_CURSOR)
-        if need:
-            _mamba2_refresh_rows(pid_v, head, row, h, seeds_ptr, tokens_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr,
-                                 rg_ptr, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, H, G, L, LP, DV, DK, BV, KC, A_FMT, A_SR,
-                                 R_FMT, R_SR, SHARED, REFRESH_DOT)
-            tl.debug_barrier()  # read back (write_checkpoint says why); a cache hit
-            ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
-            _mamba2_outputs(ra, rb, rsc, valid, row, pid_b, tl.where(need, 0, h), head, group, rv, bx_ptr, bdt_ptr, bla_ptr, x_ptr,
-                            dt_ptr, la_ptr, C_ptr, D_ptr, z_ptr, scores_ptr, y_ptr, H, G, T, L, LP, DV, DK, R_FMT,
-                            HAS_D, HAS_Z, OUTPUT_DOT, QP)
+             mask=new[:, None])
 
 
 def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit: bool):
@@ -291,27 +256,8 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
                dt_in, dt_in if dt_bias is None else dt_bias.contiguous(), A, dt, log_alpha, cache.scratch_row, H, G,
                T=T, L=cache.window, LP=LP, DK=cache.dstate, HG=triton.next_power_of_2(H // G),
                HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), EARLY_CURSOR=early)
-
-    def step_kernel(slots_of: str, fused: bool, rows: int = bv, num_warps: int = warps):
-        launch.run(
-            _mamba2_step_kernel, (P // rows, H, b),
-            slots, cache.committed, cursors, cache.tokens, cache.seeds, *anchor, *read,
-            buf["x"], buf["dt"], buf["log_alpha"], buf["B"],
-            x, dt, log_alpha, C, x if D is None else D, x if z is None else z, scores, y,
-            cache.scratch_row, H, cache.ngroups,
-            T=T, L=cache.window, LP=LP, DV=P,
-            DK=cache.dstate, BV=rows, KC=kc, HAS_D=D is not None, HAS_Z=z is not None,
-            REFRESH_DOT=refresh_dot, FUSED_REFRESH=fused, SLOTS=launch.STEP_SLOTS[slots_of], EARLY_CURSOR=early,
-            OUTPUT_DOT=launch.output_dot(cache, "mamba2", T), QP=max(16, triton.next_power_of_2(T)),
-            num_warps=num_warps, **consts)
-
-    if not split:
-        step_kernel("all", fused=True)
-    elif launch.partition_refresh("mamba2"):  # the refreshing slots at the refresh launch's shape
-        rbv, rwarps = launch.refresh_shape(cache, "mamba2", bv, warps)
-        launch.side_by_side(x.device, lambda: step_kernel("refreshing", True, rbv, rwarps),
-                            lambda: step_kernel("not_refreshing", fused=False))
-    else:
+    grid = (P // bv, H, b)
+    if split:
         rbv, rwarps = launch.refresh_shape(cache, "mamba2", bv, warps)
         rgrid, persistent = launch.refresh_grid(x.device, (P // rbv, H, b))
         launch.run(_mamba2_refresh_kernel, rgrid, slots, cache.committed, cursors, cache.tokens,
@@ -320,6 +266,17 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
                    T=T, L=cache.window, LP=LP, DV=P, DK=cache.dstate, BV=rbv, KC=kc, REFRESH_DOT=refresh_dot,
                    EARLY_CURSOR=early, PERSISTENT=persistent, BP=triton.next_power_of_2(b), num_warps=rwarps,
                    **consts)
-        step_kernel("all", fused=False)
+    launch.run(
+        _mamba2_step_kernel, grid,
+        slots, cache.committed, cursors, cache.tokens, cache.seeds, *anchor, *read,
+        buf["x"], buf["dt"], buf["log_alpha"], buf["B"],
+        x, dt, log_alpha, C, x if D is None else D, x if z is None else z, scores, y,
+        cache.scratch_row, H, cache.ngroups,
+        T=T, L=cache.window, LP=LP, DV=P,
+        DK=cache.dstate, BV=bv, KC=kc, HAS_D=D is not None, HAS_Z=z is not None,
+        REFRESH_DOT=refresh_dot, FUSED_REFRESH=not split, EARLY_CURSOR=early,
+        OUTPUT_DOT=launch.output_dot(cache, "mamba2", T), QP=max(16, triton.next_power_of_2(T)),
+        num_warps=warps,
+        **consts)
     launch.advance(cache, slots, T, commit, {"dt": dt, "log_alpha": log_alpha, "B": B})
     return y
