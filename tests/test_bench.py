@@ -149,3 +149,57 @@ def test_ptxas_report_compiles_the_step_kernels_for_sm90(tmp_path):
     for arch, preset, shape, kernel, regs, spills, stack, smem, sass, shfl in rows:
         assert 0 < int(regs) <= 255 and spills == "0/0", (arch, regs, spills)
         assert int(sass) > int(shfl) > 0, (arch, sass, shfl)  # the step kernels reduce across lanes
+
+
+PDL_SCRIPT = r"""
+import sys, triton, torch
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+sys.path.insert(0, sys.argv[1])
+import ptxas_report as pr
+from replayssm._triton import launch
+
+def ptx(kernel, args, kw):
+    names = kernel.arg_names
+    consts = {k: v for k, v in kw.items() if k in names}
+    sig = {n: "constexpr" if n in consts else pr.TYPES[v.dtype] if isinstance(v, torch.Tensor) else "i32"
+           for n, v in zip(names, list(args) + [None] * (len(names) - len(args)))}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": kw.get("num_warps", 4)}).asm["ptx"]
+
+launch.TUNING["split_refresh"] = True
+for arch in ("mamba2", "gdn"):
+    for kernel, args, kw in pr.record_step(arch, "s32_rs")[:-1]:  # not advance: positional constexprs
+        for pdl in ((False, True) if kernel.fn.__name__.endswith("scores_kernel") else (True,)):
+            code = ptx(kernel, args, dict(kw, PDL=pdl))
+            wait, load = code.find("griddepcontrol.wait"), code.find("ld.global")
+            print(arch, kernel.fn.__name__, pdl, wait >= 0 and 0 <= load and wait < load, code.count("griddepcontrol"))
+"""
+
+
+def test_programmatic_launch_waits_before_any_memory_access(tmp_path):
+    """With programmatic dependent launch (launch.programmatic; GPU only, so compiled here for
+    sm_90 rather than run) a kernel may start before the previous launch of the step has
+    finished: every kernel must wait for it before its first global load. Without it, no wait."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    from replayssm._triton import launch
+
+    assert not launch.programmatic(torch.arange(2))  # never on the CPU
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real compile
+    env["PYTHONPATH"] = os.path.join(root, "src")
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", PDL_SCRIPT, os.path.join(root, "benchmarks")], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines()]
+    assert len(rows) == 8, rows  # scores (twice), refresh and step kernels of both architectures
+    for arch, name, pdl, waits_first, count in rows:
+        if pdl == "True":
+            assert waits_first == "True" and count == "2", (arch, name)  # the wait and the go-ahead
+        else:
+            assert count == "0", (arch, name)

@@ -20,8 +20,20 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .formats import FMT_IDS
+
+
+@triton.jit
+def after_previous_launch(PDL: tl.constexpr):
+    """First statement of every kernel of a step. With PDL (programmatic dependent launch,
+    ``programmatic``), a launch may start before the one before it has finished: wait here until
+    it has, and its writes are visible, then let the next launch start too. Only the launch
+    latency and the block scheduling overlap, never memory accesses, so the results are the same."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @triton.jit
@@ -40,7 +52,8 @@ def advance_kernel(slots_ptr, committed_ptr, pending_ptr, tokens_ptr, refreshes_
                    s1, d1, s2, d2, s3, d3,
                    SCRATCH, T: tl.constexpr, TP: tl.constexpr, L: tl.constexpr, COMMIT: tl.constexpr,
                    F1: tl.constexpr, F1P: tl.constexpr, F2: tl.constexpr, F2P: tl.constexpr,
-                   F3: tl.constexpr, F3P: tl.constexpr):
+                   F3: tl.constexpr, F3P: tl.constexpr, PDL: tl.constexpr):
+    after_previous_launch(PDL)
     pid = tl.program_id(0)
     slot = tl.load(slots_ptr + pid)
     if slot >= 0:
@@ -70,8 +83,30 @@ def _launch(kernel, grid, args, kwargs):
 LAUNCHER = _launch
 
 
+#: Largest batch whose steps use programmatic dependent launch (``programmatic``). H200, µs per
+#: step without -> with, CUDA graphs: batch 1 Mamba-2 s32_rs 7.7 -> 6.0, tp8_hi32 8.1 -> 6.3, GDN
+#: 9.7 -> 8.0, 9.0 -> 7.2; batch 8 Mamba-2 18.2 -> 16.4, GDN 30.8 -> 28.3; but batch 256 Mamba-2
+#: 353.8 -> 377.8, GDN 478.2 -> 517.2 (BENCHMARKS.md, sixth session).
+PROGRAMMATIC_MAX_BATCH = 8
+
+
+def programmatic(slots) -> bool:
+    """Whether the launches of a step over batch rows ``slots`` use programmatic dependent launch
+    (Hopper and later): each launch may be scheduled while the one before it drains, and waits
+    for it in ``after_previous_launch``, which hides most of the gap between launches where the
+    launches are short. ``TUNING["pdl"]`` overrides the choice by batch size."""
+    if slots.device.type != "cuda" or torch.cuda.get_device_capability(slots.device)[0] < 9:
+        return False
+    return TUNING.get("pdl", slots.shape[0] <= PROGRAMMATIC_MAX_BATCH)
+
+
 def run(kernel, grid, *args, **kwargs):
-    """Launch ``kernel[grid](*args, **kwargs)``: every launch of a step goes through here."""
+    """Launch ``kernel[grid](*args, **kwargs)``: every launch of a step goes through here. Sets the
+    kernel's PDL constexpr (``after_previous_launch``) by ``programmatic`` of the first argument
+    (the slot ids)."""
+    kwargs["PDL"] = programmatic(args[0])
+    if kwargs["PDL"]:
+        kwargs["launch_pdl"] = True
     LAUNCHER(kernel, grid, args, kwargs)
 
 
@@ -117,7 +152,8 @@ def check_geometry(cache):
 
 #: Launch-shape overrides, for benchmark sweeps: {"block_rows": int, "num_warps": int,
 #: "refresh_dot": bool, "split_refresh": bool, "early_cursor": bool, "output_dot": bool,
-#: "refresh_rows": int, "refresh_warps": int, "persistent_refresh": bool, "refresh_columns": int};
+#: "refresh_rows": int, "refresh_warps": int, "persistent_refresh": bool, "refresh_columns": int,
+#: "pdl": bool};
 #: ``parse_shape`` reads them from a label. Each default is the faster one measured
 #: (BENCHMARKS.md) among those that keep the anchor's bits: ``early_cursor`` on (``cursor_args``),
 #: ``output_dot`` by draft length (``OUTPUT_DOT_MIN_DRAFT``), ``refresh_dot`` off for GDN
@@ -147,15 +183,17 @@ def parse_shape(text: str) -> dict:
     """``TUNING`` overrides from a benchmark's shape label: "32x4" = 32 rows per program, 4 warps;
     suffix ``d`` = refresh fold on tensor cores (else the token loop), ``s`` = split refresh (else
     fused), ``e`` = early cursor, ``o`` = outputs' read-copy products on tensor cores, ``p`` =
-    persistent refresh launch; after "/", the refresh launch's rows x warps; after "@", the columns a
-    Mamba-2 refresh folds at a time. E.g. "32x4dsep/16x2", "32x2dse@64"."""
+    persistent refresh launch, ``l`` = programmatic dependent launch (``programmatic``); after "/",
+    the refresh launch's rows x warps; after "@", the columns a Mamba-2 refresh folds at a time.
+    E.g. "32x4dsep/16x2", "32x2dse@64", "32x2dsel"."""
     text, _, columns = text.partition("@")
     text, _, refresh = text.partition("/")
-    base = text.rstrip("dseop")
+    base = text.rstrip("dseopl")
     rows, warps = map(int, base.split("x"))
     flags = text[len(base):]
     out = dict(block_rows=rows, num_warps=warps, refresh_dot="d" in flags, split_refresh="s" in flags,
-               early_cursor="e" in flags, output_dot="o" in flags, persistent_refresh="p" in flags)
+               early_cursor="e" in flags, output_dot="o" in flags, persistent_refresh="p" in flags,
+               pdl="l" in flags)
     if refresh:  # "64x4s/16x2": the split refresh launch at 16 rows x 2 warps
         out["refresh_rows"], out["refresh_warps"] = map(int, refresh.split("x"))
     if columns:  # "32x2dse@64": a Mamba-2 refresh folds 64 columns at a time

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from .._triton import launch
+from .._triton.launch import after_previous_launch
 from .._triton.decay import segment_to, suffix_sums
 from .._triton.window import (cursor_of, early_cursor, refresh_item, refresh_plan, refresh_program, slot_cursor,
                               slot_row, window_rows, window_scalars)
@@ -39,12 +40,14 @@ from .._triton.formats import (anchor_rows, column, load_query, load_read, load_
 @triton.jit
 def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_ptr, kn_ptr, qn_ptr, scores_ptr,
                        gram_ptr, scale, SCRATCH, HK, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
-                       DK: tl.constexpr, NORM: tl.constexpr, EARLY_CURSOR: tl.constexpr, GRAM: tl.constexpr):
+                       DK: tl.constexpr, NORM: tl.constexpr, EARLY_CURSOR: tl.constexpr, GRAM: tl.constexpr,
+                       PDL: tl.constexpr):
     """Once per (batch row, key head): the T new keys and queries prepared in fp32 (L2-normalized
     when NORM, as flash-linear-attention's l2norm, queries times ``scale``) into kn, qn [b, T, HK, K]
     for the other launches; then scores[b, kh, 0, s, j] = k_j . q_s and scores[b, kh, 1, s, j] =
     k_j . k_s over the entries of the window (committed + new). GRAM: for a slot that refreshes,
     also gram[b, kh, i, j] = k_i . k_j over its committed entries, for the refresh's solve."""
+    after_previous_launch(PDL)
     pid_b, khead = tl.program_id(0), tl.program_id(1)
     ck = tl.arange(0, DK)
     for s in tl.static_range(T):
@@ -193,11 +196,12 @@ def _gdn_refresh_kernel(
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
         BV: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr,
         R_SR: tl.constexpr, SHARED: tl.constexpr, EARLY_CURSOR: tl.constexpr, REFRESH_DOT: tl.constexpr,
-        PERSISTENT: tl.constexpr, BP: tl.constexpr):
+        PERSISTENT: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr):
     """The refresh alone (the step kernel then runs with FUSED_REFRESH=False). PERSISTENT: a
     fixed number of programs loop over the row blocks of the refreshing slots only
     (``launch.refresh_grid``); otherwise one program per (row block, head, batch row), and those
     of slots that do not refresh exit after two loads."""
+    after_previous_launch(PDL)
     if PERSISTENT:
         need, ordinal, count = refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP, T, L, EARLY_CURSOR)
         w = tl.program_id(0)
@@ -228,7 +232,8 @@ def _gdn_step_kernel(
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, FUSED_REFRESH: tl.constexpr, EARLY_CURSOR: tl.constexpr, OUTPUT_DOT: tl.constexpr,
-        QP: tl.constexpr, REFRESH_DOT: tl.constexpr):
+        QP: tl.constexpr, REFRESH_DOT: tl.constexpr, PDL: tl.constexpr):
+    after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h_early = early_cursor(cursors_ptr, pid_b, EARLY_CURSOR)

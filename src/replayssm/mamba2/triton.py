@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .._triton import launch
+from .._triton.launch import after_previous_launch
 from .._triton.decay import segment_to, suffix_sums
 from .._triton.window import (cursor_of, early_cursor, refresh_item, refresh_plan, refresh_program, slot_cursor,
                               slot_row, window_rows, window_scalars)
@@ -37,11 +38,12 @@ def _mamba2_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bB_ptr, B_ptr, 
                           dt_ptr, bias_ptr, A_ptr, dtn_ptr, la_ptr, SCRATCH, H, G,
                           T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr,
                           HG: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-                          EARLY_CURSOR: tl.constexpr):
+                          EARLY_CURSOR: tl.constexpr, PDL: tl.constexpr):
     """Once per (batch row, group): the T new tokens' step sizes of the group's heads prepared in
     fp32 into dtn = softplus(dt + dt_bias) and la = A * dtn [b, T, H] for the other launches; then
     scores[b, g, s, j] = B_j . C_s over the entries a query sees (committed + new), so the
     per-row programs of the step kernel never load the B tile."""
+    after_previous_launch(PDL)
     pid_b, group = tl.program_id(0), tl.program_id(1)
     heads = group * (H // G) + tl.arange(0, HG)
     mine = tl.arange(0, HG) < H // G
@@ -134,9 +136,10 @@ def _mamba2_refresh_kernel(
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, REFRESH_DOT: tl.constexpr, EARLY_CURSOR: tl.constexpr,
-        PERSISTENT: tl.constexpr, BP: tl.constexpr):
+        PERSISTENT: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr):
     """The refresh alone (the step kernel then runs with FUSED_REFRESH=False); PERSISTENT as in
     ``_gdn_refresh_kernel``."""
+    after_previous_launch(PDL)
     if PERSISTENT:
         need, ordinal, count = refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP, T, L, EARLY_CURSOR)
         w = tl.program_id(0)
@@ -166,7 +169,9 @@ def _mamba2_step_kernel(
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, REFRESH_DOT: tl.constexpr,
-        FUSED_REFRESH: tl.constexpr, EARLY_CURSOR: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr):
+        FUSED_REFRESH: tl.constexpr, EARLY_CURSOR: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr,
+        PDL: tl.constexpr):
+    after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h_early = early_cursor(cursors_ptr, pid_b, EARLY_CURSOR)
