@@ -84,10 +84,12 @@ LAUNCHER = _launch
 
 
 #: Largest batch whose steps use programmatic dependent launch (``programmatic``). H200, µs per
-#: step without -> with, CUDA graphs: batch 1 Mamba-2 s32_rs 7.7 -> 6.0, tp8_hi32 8.1 -> 6.3, GDN
-#: 9.7 -> 8.0, 9.0 -> 7.2; batch 8 Mamba-2 18.2 -> 16.4, GDN 30.8 -> 28.3; but batch 256 Mamba-2
-#: 353.8 -> 377.8, GDN 478.2 -> 517.2 (BENCHMARKS.md, sixth session).
-PROGRAMMATIC_MAX_BATCH = 8
+#: step without -> with, CUDA graphs, s32_rs / tp8_hi32 (BENCHMARKS.md, sixth session): batch 1
+#: Mamba-2 7.7 -> 6.0 / 8.1 -> 6.3, GDN 9.7 -> 8.0 / 9.0 -> 7.2; batch 8 Mamba-2 18.2 -> 16.4, GDN
+#: 30.8 -> 28.3; batch 16 Mamba-2 36.5 -> 34.2 / 32.6 -> 30.4, GDN (split) 51.9 -> 49.6; but batch
+#: 32 GDN 80.7 -> 82.4 / 67.3 -> 71.6, batch 64 Mamba-2 102.4 -> 104.7, batch 256 Mamba-2 353.8 ->
+#: 377.8, GDN 478.2 -> 517.2.
+PROGRAMMATIC_MAX_BATCH = 16
 
 
 def programmatic(slots) -> bool:
@@ -318,8 +320,9 @@ def refresh_grid(device, grid: tuple) -> tuple[tuple, bool]:
 #: Smallest batch that gets the refresh in a launch of its own, by architecture. Smaller batches
 #: are bound by launch latency and save a launch by refreshing inside the step kernel (H200,
 #: s32_rs, us per step split -> fused: batch 1 Mamba-2 9.6 -> 8.1, GDN 11.3 -> 9.8; batch 8
-#: Mamba-2 20.0 -> 21.5, GDN 34.1 -> 31.7; BENCHMARKS.md).
-SPLIT_MIN_BATCH = {"mamba2": 8, "gdn": 32}
+#: Mamba-2 20.0 -> 21.5, GDN 34.1 -> 31.7; BENCHMARKS.md). GDN at batch 16 (sixth session, with
+#: programmatic launch): split 49.6 against fused 58.8 for s32_rs, 41.0 against 38.3 for tp8_hi32.
+SPLIT_MIN_BATCH = {"mamba2": 8, "gdn": 16}
 
 
 def split_refresh(arch: str, batch: int) -> bool:
