@@ -112,7 +112,7 @@ def main(argv=None):
                 if shape != "default":
                     launch.TUNING.update(launch.parse_shape(shape))
                 else:  # the steps are recorded at batch 2; compile the launches of --batch
-                    launch.TUNING["split_refresh"] = launch.split_refresh(arch, args.batch)
+                    launch.TUNING["split_refresh"] = launch.split_refresh(arch, args.batch, args.draft)
                 for kernel, a, kw in record_step(arch, preset, args.draft):
                     if "step" not in kernel.fn.__name__ and "refresh" not in kernel.fn.__name__:
                         continue

@@ -6,7 +6,7 @@ per configuration. A shape whose bits differ cannot serve as the refresh shape: 
 depend on the batch size (small batches refresh inside the step kernel).
 
     PYTHONPATH=src python3 benchmarks/refresh_bits.py [--arch mamba2,gdn] [--refresh-shapes 16x1,16x2,32x4] \
-        [--refresh-dot on]
+        [--refresh-dot on] [--step-shapes 32x2del,16x2del]
 """
 from __future__ import annotations
 
@@ -48,9 +48,14 @@ def main():
     ap.add_argument("--refresh-shapes", default="16x1,16x2,32x2,32x4,64x4")
     ap.add_argument("--refresh-dot", choices=["default", "on", "off"], default="default",
                     help="the refresh fold on tensor cores (launch.SHAPES' choice by default)")
+    ap.add_argument("--step-shapes", default=None, metavar="LABELS",
+                    help="instead: compare whole step configurations, launch.parse_shape labels, with the first "
+                         "(e.g. 32x2del,16x2del: the step kernel at another tile shape)")
     ap.add_argument("--small", action="store_true")
     args = ap.parse_args()
     device = "cpu" if args.small else "cuda"
+    if args.step_shapes:
+        return compare_labels(args, device)
     for arch in args.arch.split(","):
         for preset in args.presets.split(","):
             rows, warps, dot = launch.SHAPES[(arch, "fp32")]
@@ -69,6 +74,21 @@ def main():
                 diff = [k for k, v in same.items() if not v]
                 state = "same" if not diff else "DIFFER " + ",".join(diff)
                 print(f"bits {arch:6s} {preset:9s} {rows}x{warps} fused vs {name:10s} outputs "
+                      f"{'same' if torch.equal(y0, y) else 'DIFFER'}; state {state}", flush=True)
+
+
+def compare_labels(args, device):
+    """``--step-shapes``: the outputs and state of each labelled configuration against the first."""
+    for arch in args.arch.split(","):
+        dims = SMALL[arch] if args.small else suite.GEOMETRIES[GEO[arch]][1]
+        for preset in args.presets.split(","):
+            labels = args.step_shapes.split(",")
+            y0, sd0 = run(arch, preset, launch.parse_shape(labels[0]), dims, device)
+            for label in labels[1:]:
+                y, sd = run(arch, preset, launch.parse_shape(label), dims, device)
+                diff = [k for k in sd0 if not torch.equal(sd0[k], sd[k])]
+                state = "same" if not diff else "DIFFER " + ",".join(diff)
+                print(f"bits {arch:6s} {preset:9s} {labels[0]} vs {label:10s} outputs "
                       f"{'same' if torch.equal(y0, y) else 'DIFFER'}; state {state}", flush=True)
 
 

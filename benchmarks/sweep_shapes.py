@@ -4,10 +4,11 @@ Checks the kernels against float64 first. Prints one line per configuration and 
 $OUT/sweep.json. Used to pick the defaults in ``_triton/launch.py`` and ``bench/conventional.py``.
 
     PYTHONPATH=src python3 benchmarks/sweep_shapes.py [--presets s32_rs,tp8_hi32] [--skip-check] \
-        [--shapes 16x2d,16x2ds,32x4ds] [--gdn-shapes 16x2,16x2s] [--drafts 1,4]
+        [--check-shapes "32x2dsel;64x4sel"] [--shapes 16x2d,16x2ds,32x4ds] [--gdn-shapes 16x2,16x2s] [--drafts 1,4]
     # shapes as launch.parse_shape reads them: rows x warps, d = refresh fold on tensor cores, s = split,
     # e = early cursor, o = outputs' products on tensor cores, p = persistent refresh launch,
-    # "/16x2" = the refresh launch's rows x warps. A label sets every switch, defaults included.
+    # l = programmatic dependent launch, "/16x2" = the refresh launch's rows x warps. A label sets
+    # every switch, defaults included.
 """
 from __future__ import annotations
 
@@ -36,19 +37,26 @@ def main():
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--arch", default="mamba2,gdn")
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--check-shapes", default="", metavar="LABELS",
+                    help="also run the checks under these launch.parse_shape labels (Mamba-2 labels, then GDN "
+                         "labels after ';'), e.g. '32x2dsel;64x4sel'")
     args = ap.parse_args()
     out = {"rows": [], "checks": []}
     t0 = time.time()
     for arch in args.arch.split(","):
         dims = suite.GEOMETRIES[GEO[arch]][1]
-        if not args.skip_check:
+        labels = args.check_shapes.split(";")[0 if arch == "mamba2" else -1] if args.check_shapes else ""
+        for label in ([] if args.skip_check else ["default"]) + [x for x in labels.split(",") if x]:
+            launch.TUNING.clear()
+            launch.TUNING.update({} if label == "default" else launch.parse_shape(label))
             for preset in args.check_presets.split(","):
                 e, rel, se = correctness(Problem(arch, dims, args.batch, 1), preset)
-                out["checks"].append(dict(arch=arch, preset=preset, max_abs=e, rel=rel, state=se))
-                print(f"check {arch:6s} {preset:12s} max abs {e:.2e} rel {rel:.2e} state {se:.2e}", flush=True)
+                out["checks"].append(dict(arch=arch, shape=label, preset=preset, max_abs=e, rel=rel, state=se))
+                print(f"check {arch:6s} {label} {preset:12s} max abs {e:.2e} rel {rel:.2e} state {se:.2e}", flush=True)
             same = graph_check(Problem(arch, dims, args.batch, 1))
-            print(f"graph {arch} 48-step replay bit-identical: {same}", flush=True)
-            out["checks"].append(dict(arch=arch, graph_identical=same))
+            print(f"graph {arch} {label} 48-step replay bit-identical: {same}", flush=True)
+            out["checks"].append(dict(arch=arch, shape=label, graph_identical=same))
+            launch.TUNING.clear()
         for T in map(int, args.drafts.split(",")):
             p = Problem(arch, dims, args.batch, T)
             for shape in args.conv_shapes.split(","):

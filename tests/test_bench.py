@@ -165,7 +165,8 @@ def ptx(kernel, args, kw):
     sig = {n: "constexpr" if n in consts else pr.TYPES[v.dtype] if isinstance(v, torch.Tensor) else "i32"
            for n, v in zip(names, list(args) + [None] * (len(names) - len(args)))}
     src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": kw.get("num_warps", 4)}).asm["ptx"]
+    target = GPUTarget("cuda", 90, 32)
+    return triton.compile(src, target=target, options={"num_warps": kw.get("num_warps", 4)}).asm["ptx"]
 
 launch.TUNING["split_refresh"] = True
 for arch in ("mamba2", "gdn"):

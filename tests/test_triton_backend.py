@@ -378,6 +378,8 @@ def test_a_triton_step_is_four_launches_and_no_pytorch_compute(arch):
         call = rs.gdn_decode
     cache.check_values = False
     assert not launch.split_refresh(arch, 3) and launch.split_refresh(arch, launch.SPLIT_MIN_BATCH[arch])
+    draft = launch.SPLIT_MIN_DRAFT[arch]  # verify steps of this many drafts split at any batch
+    assert draft is None or (launch.split_refresh(arch, 3, draft) and not launch.split_refresh(arch, 3, draft - 1))
     for split in (True, False, None):  # None: the default for a batch of 3, fused
         launches = []
         launch.LAUNCHER = lambda kernel, grid, a, kw: launches.append(kernel.fn.__name__)

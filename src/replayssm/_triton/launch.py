@@ -13,7 +13,8 @@ A step is a fixed sequence of launches with no host synchronization in between:
 
 Launch 4 must follow launch 3 because a refreshing slot writes its new tokens at positions 0..T-1,
 which, with the refresh fused, other programs of launch 3 are still folding. Every launch goes
-through ``run``.
+through ``run``; at small batches (``programmatic``) each one is scheduled while the one before it
+drains, and waits for it before its first memory access (``after_previous_launch``).
 """
 from __future__ import annotations
 
@@ -318,19 +319,29 @@ def refresh_grid(device, grid: tuple) -> tuple[tuple, bool]:
 
 
 #: Smallest batch that gets the refresh in a launch of its own, by architecture. Smaller batches
-#: are bound by launch latency and save a launch by refreshing inside the step kernel (H200,
-#: s32_rs, us per step split -> fused: batch 1 Mamba-2 9.6 -> 8.1, GDN 11.3 -> 9.8; batch 8
-#: Mamba-2 20.0 -> 21.5, GDN 34.1 -> 31.7; BENCHMARKS.md). GDN at batch 16 (sixth session, with
-#: programmatic launch): split 49.6 against fused 58.8 for s32_rs, 41.0 against 38.3 for tp8_hi32.
-SPLIT_MIN_BATCH = {"mamba2": 8, "gdn": 16}
+#: are bound by launch latency and save a launch by refreshing inside the step kernel. H200,
+#: s32_rs, µs per step split -> fused, with programmatic launch (sixth session, BENCHMARKS.md):
+#: batch 1 Mamba-2 7.1 -> 5.9, GDN 8.5 -> 7.9; batch 8 Mamba-2 18.3 -> 16.1 (tp8_hi32 18.3 -> 15.8),
+#: GDN 26.9 -> 28.5 but tp16_hi32 26.1 -> 23.1, tp8_hi32 24.4 -> 21.6; batch 16 GDN fused 58.8
+#: against split 49.6 (tp8_hi32 38.3 against 41.0).
+SPLIT_MIN_BATCH = {"mamba2": 16, "gdn": 16}
+
+#: Smallest draft length whose verify steps refresh in a launch of their own at any batch, by
+#: architecture (None: by batch only). GDN's fused refresh is a 64-row token loop inside the step
+#: kernel, whose latency bounds a small batch's step; a quarter of the slots refresh every round
+#: at T = 4. H200, T = 4 round, fused -> split: batch 1 GDN s32_rs 53.2 -> 49.0, tp8_hi32 49.1 ->
+#: 46.9 (tp16_hi32 50.6 -> 50.9); batch 8 122.7 -> 92.9, 106.7 -> 93.4, 101.9 -> 92.1.
+SPLIT_MIN_DRAFT = {"mamba2": None, "gdn": 4}
 
 
-def split_refresh(arch: str, batch: int) -> bool:
-    """Refresh in a launch of its own before the step kernel (batch >= SPLIT_MIN_BATCH): the step
-    kernel then carries no refresh code and needs far fewer registers (72-167 against 167-255
-    fused, from benchmarks/ptxas_report.py), which measured 1.1-2.1x faster steps at batch 256
-    on an H200, for the price of one launch and a re-read of the refreshed rows' read copy. The
-    two forms run the same fold and encoding code and are tested to give the same bits, so the
-    choice by batch size does not make results depend on the batch. ``TUNING["split_refresh"]``
-    overrides it."""
-    return TUNING.get("split_refresh", batch >= SPLIT_MIN_BATCH[arch])
+def split_refresh(arch: str, batch: int, T: int = 1) -> bool:
+    """Refresh in a launch of its own before the step kernel (batch >= SPLIT_MIN_BATCH, or a
+    verify step of T >= SPLIT_MIN_DRAFT drafts): the step kernel then carries no refresh code and
+    needs far fewer registers (72-167 against 167-255 fused, from benchmarks/ptxas_report.py),
+    which measured 1.1-2.1x faster steps at batch 256 on an H200, for the price of one launch and
+    a re-read of the refreshed rows' read copy. The two forms run the same fold and encoding code
+    and are tested to give the same bits, so the choice by batch size and draft length does not
+    make results depend on them. ``TUNING["split_refresh"]`` overrides it."""
+    least_draft = SPLIT_MIN_DRAFT[arch]
+    by_draft = least_draft is not None and T >= least_draft
+    return TUNING.get("split_refresh", batch >= SPLIT_MIN_BATCH[arch] or by_draft)

@@ -313,7 +313,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     o = torch.empty(b, T, HV, V, dtype=torch.float32, device=v.device)
     bv, warps, refresh_dot = launch.launch_shape(cache, "gdn")
-    split = launch.split_refresh("gdn", b)
+    split = launch.split_refresh("gdn", b, T)
     buf = cache.buffer
     LP = max(16, triton.next_power_of_2(cache.window))
     HK = cache.num_k_heads

@@ -248,7 +248,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     z = None if z is None else z.contiguous()
     y = torch.empty(b, T, H, P, dtype=torch.float32, device=x.device)
     bv, warps, refresh_dot = launch.launch_shape(cache, "mamba2")
-    split = launch.split_refresh("mamba2", b)
+    split = launch.split_refresh("mamba2", b, T)
     kc = launch.refresh_columns(cache)
     buf = cache.buffer
     LP = max(16, triton.next_power_of_2(cache.window))
