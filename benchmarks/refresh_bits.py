@@ -6,7 +6,7 @@ per configuration. A shape whose bits differ cannot serve as the refresh shape: 
 depend on the batch size (small batches refresh inside the step kernel).
 
     PYTHONPATH=src python3 benchmarks/refresh_bits.py [--arch mamba2,gdn] [--refresh-shapes 16x1,16x2,32x4] \
-        [--refresh-dot on] [--step-shapes 32x2del,16x2del]
+        [--refresh-dot on] [--step-shapes 32x2del,16x2del] [--anchors --presets s32_rs,tp16_hi32,tp4_hi32]
 """
 from __future__ import annotations
 
@@ -44,18 +44,24 @@ def run(arch: str, preset: str, tuning: dict, dims, device, batch: int = 8, wind
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", default="mamba2,gdn")
-    ap.add_argument("--presets", default="s32_rs,tp8_hi32")
+    ap.add_argument("--presets", default="s32_rs,tp8_hi32,tp16_hi32")
     ap.add_argument("--refresh-shapes", default="16x1,16x2,32x2,32x4,64x4")
     ap.add_argument("--refresh-dot", choices=["default", "on", "off"], default="default",
                     help="the refresh fold on tensor cores (launch.SHAPES' choice by default)")
     ap.add_argument("--step-shapes", default=None, metavar="LABELS",
                     help="instead: compare whole step configurations, launch.parse_shape labels, with the first "
                          "(e.g. 32x2del,16x2del: the step kernel at another tile shape)")
+    ap.add_argument("--anchors", action="store_true",
+                    help="instead: the anchor after a refresh under each preset at the defaults, against the first "
+                         "preset's (DESIGN §3: the read precision leaves the anchor bit-identical; give presets "
+                         "with the same anchor format, e.g. s32_rs,tp16_hi32,tp8_hi32,tp4_hi32)")
     ap.add_argument("--small", action="store_true")
     args = ap.parse_args()
     device = "cpu" if args.small else "cuda"
     if args.step_shapes:
         return compare_labels(args, device)
+    if args.anchors:
+        return compare_anchors(args, device)
     for arch in args.arch.split(","):
         for preset in args.presets.split(","):
             rows, warps, dot = launch.SHAPES[(arch, "fp32")]
@@ -90,6 +96,19 @@ def compare_labels(args, device):
                 state = "same" if not diff else "DIFFER " + ",".join(diff)
                 print(f"bits {arch:6s} {preset:9s} {labels[0]} vs {label:10s} outputs "
                       f"{'same' if torch.equal(y0, y) else 'DIFFER'}; state {state}", flush=True)
+
+
+def compare_anchors(args, device):
+    """``--anchors``: the anchor of each preset after the same steps, at the defaults, against the first's."""
+    for arch in args.arch.split(","):
+        dims = SMALL[arch] if args.small else suite.GEOMETRIES[GEO[arch]][1]
+        presets = args.presets.split(",")
+        anchors = [run(arch, p, {}, dims, device)[1]["anchor.values"] for p in presets]
+        for preset, anchor in zip(presets[1:], anchors[1:]):
+            same = torch.equal(anchors[0], anchor)
+            worst = 0.0 if same else (anchors[0].double() - anchor.double()).abs().max().item()
+            print(f"anchor {arch:6s} {presets[0]} vs {preset:12s} {'same' if same else f'DIFFER (max {worst:.1e})'}",
+                  flush=True)
 
 
 if __name__ == "__main__":
