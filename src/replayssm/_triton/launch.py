@@ -18,6 +18,8 @@ drains, and waits for it before its first memory access (``after_previous_launch
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -98,9 +100,16 @@ def programmatic(slots) -> bool:
     (Hopper and later): each launch may be scheduled while the one before it drains, and waits
     for it in ``after_previous_launch``, which hides most of the gap between launches where the
     launches are short. ``TUNING["pdl"]`` overrides the choice by batch size."""
-    if slots.device.type != "cuda" or torch.cuda.get_device_capability(slots.device)[0] < 9:
+    if slots.device.type != "cuda" or not _hopper_or_later(slots.device):
         return False
     return TUNING.get("pdl", slots.shape[0] <= PROGRAMMATIC_MAX_BATCH)
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_or_later(device) -> bool:
+    """Whether the GPU has programmatic dependent launch (compute capability >= 9); asked once
+    per device rather than on every launch."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def run(kernel, grid, *args, **kwargs):
