@@ -3,6 +3,7 @@
 run, compiled by Triton for the GPU target, and assembled by the ptxas that ships in triton's wheel.
 
     PYTHONPATH=src python3 benchmarks/ptxas_report.py [--presets s32_rs,tp8_hi32] [--shapes 16x2ds,32x4s]
+    PYTHONPATH=src python3 benchmarks/ptxas_report.py --anchor-ops --presets s32_rs,tp16_hi32,tp8_hi32
 
 High register counts mean few programs per multiprocessor (65536 registers per SM); spills go to
 local memory. ``sass`` counts the kernel's machine instructions (nvdisasm; the kernels unroll their
@@ -12,6 +13,7 @@ warp shuffles among them. None of these is a timing: BENCHMARKS.md has the timin
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
 import subprocess
@@ -60,8 +62,8 @@ def record_step(arch: str, preset: str, T: int = 1):
     return calls
 
 
-def assemble(kernel, args, kwargs) -> dict:
-    """Compile one recorded launch for sm_90a; ptxas's resource counts."""
+def compile_sm90(kernel, args, kwargs):
+    """Compile one recorded launch for sm_90a (Triton's compiled kernel: ``.asm`` has ttgir, ptx, cubin)."""
     names = kernel.arg_names
     constexprs = {k: v for k, v in kwargs.items() if k in names}
     signature = {}
@@ -74,8 +76,12 @@ def assemble(kernel, args, kwargs) -> dict:
             signature[name] = "i64" if abs(int(value)) >= 2**31 else "i32"
     src = ASTSource(fn=kernel, signature=signature,
                     constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": kwargs.get("num_warps", 4)})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": kwargs.get("num_warps", 4)})
+
+
+def assemble(kernel, args, kwargs) -> dict:
+    """Compile one recorded launch for sm_90a; ptxas's resource counts."""
+    compiled = compile_sm90(kernel, args, kwargs)
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(compiled.asm["ptx"])
     log = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
@@ -93,6 +99,88 @@ def assemble(kernel, args, kwargs) -> dict:
             "shfl": sum(op.startswith("SHFL") for op in ops)}
 
 
+FLOAT = re.compile(r"x(?:f16|bf16|f32|f64|f8\w*)[,>]|: (?:f16|bf16|f32)\b")
+
+
+def anchor_slice(compiled, values_only: bool = False, anchor_arg: str = "av_ptr") -> list[str]:
+    """The TTGIR operations that the kernel's stores to ``anchor_arg`` depend on (their backward
+    data-flow slice, pointers and values), one line each in program order, with value names and
+    source locations dropped and layouts spelled out (#blocked3 in one kernel is #blocked1 in
+    another): what the anchor is computed from, comparable across compilations. ``values_only``:
+    only the operations with floating-point results (loads, arithmetic, reductions, layout
+    conversions) and the stores, not the address arithmetic."""
+    ttgir = compiled.asm["ttgir"]
+    layouts = dict(re.findall(r"^(#(?:blocked|shared|mma|linear)\w*) = (.*)$", ttgir, re.M))
+    alias = re.compile("|".join(sorted(map(re.escape, layouts), key=len, reverse=True)) + r"\b") if layouts else None
+    lines = [re.sub(r"loc\([^)]*\)", "", line).strip() for line in ttgir.splitlines()]
+    value = re.compile(r"%[A-Za-z_0-9]+")
+    defs, args = {}, set(value.findall(next(line for line in lines if "tt.func" in line)))
+    for i, line in enumerate(lines):
+        m = re.match(r"((?:%[\w]+(?::\d+)?(?:, )?)+) = ", line)
+        if m:
+            for name in value.findall(m.group(1)):
+                defs[name] = i
+    wanted, stack = set(), []
+    reaches = {}
+
+    def from_anchor(name, seen=()):  # does this value derive from the anchor pointer argument?
+        if name == "%" + anchor_arg:
+            return True
+        if name not in reaches:
+            i = defs.get(name)
+            reaches[name] = i is not None and name not in seen and any(
+                from_anchor(u, (*seen, name)) for u in value.findall(lines[i].split(" = ", 1)[1]))
+        return reaches[name]
+
+    for i, line in enumerate(lines):
+        if line.startswith("tt.store ") and from_anchor(value.findall(line)[0]):
+            wanted.add(i)
+            stack += value.findall(line)
+    while stack:
+        i = defs.get(stack.pop())
+        if i is not None and i not in wanted:
+            wanted.add(i)
+            stack += value.findall(lines[i].split(" = ", 1)[1])
+    ops, constants = [], []
+    for i in sorted(wanted):
+        line = lines[i]
+        if line.endswith("({"):  # a reduction: its operand and result types close its region
+            line += " " + next(close for close in lines[i + 1:] if close.startswith("})"))
+        line = value.sub(lambda m: m.group(0) if m.group(0) in args else "%v", line)
+        line = alias.sub(lambda m: layouts[m.group(0)], line) if alias else line
+        if values_only and not (line.startswith("tt.store") or FLOAT.search(line.rsplit(" : ", 1)[-1])):
+            continue
+        (constants if "arith.constant" in line else ops).append(line)
+    return sorted(constants) + ops  # constants are hoisted in no particular order
+
+
+def anchor_ops(arch: str, presets: list[str]) -> dict:
+    """Whether each preset computes its anchor from exactly the operations of the first preset
+    (``anchor_slice``), in the split refresh kernel (every operation) and in the step kernel with
+    the refresh fused (the floating-point ones: the shared fp32 copy loads the anchor through the
+    read-copy pointer there): a compile-level check of DESIGN §3 (the read precision leaves the
+    anchor bit-identical) for presets with the same anchor format and tiles. The bits themselves
+    are checked on the GPU (refresh_bits.py --anchors). Prints and returns {(kernel, preset): same}."""
+    found = {}
+    for split, name, values_only in ((True, "refresh_kernel", False), (False, "step_kernel", True)):
+        launch.TUNING.update(split_refresh=split)
+        try:
+            kernels = {p: next((k, a, kw) for k, a, kw in record_step(arch, p) if name in k.fn.__name__)
+                       for p in presets}
+        finally:
+            launch.TUNING.clear()
+        ref = anchor_slice(compile_sm90(*kernels[presets[0]]), values_only)
+        for preset in presets[1:]:
+            ops = anchor_slice(compile_sm90(*kernels[preset]), values_only)
+            codes = difflib.SequenceMatcher(None, ref, ops, autojunk=False).get_opcodes()
+            changed = sum(max(i2 - i1, j2 - j1) for tag, i1, i2, j1, j2 in codes if tag != "equal")
+            found[(name, preset)] = changed == 0
+            verdict = "same" if changed == 0 else f"DIFFER in {changed}"
+            print(f"anchor-ops {arch:6s} {name:14s} {presets[0]} vs {preset:12s} {verdict} ({len(ref)} operations)",
+                  flush=True)
+    return found
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="mamba2,gdn")
@@ -102,7 +190,14 @@ def main(argv=None):
     ap.add_argument("--draft", type=int, default=1, help="tokens per step (1 = decode)")
     ap.add_argument("--batch", type=int, default=256,
                     help="batch whose default launches to compile (split or fused refresh)")
+    ap.add_argument("--anchor-ops", action="store_true",
+                    help="instead: compare the operations behind the split refresh kernels' anchor stores with "
+                         "the first preset's (anchor_ops)")
     args = ap.parse_args(argv)
+    if args.anchor_ops:
+        for arch in args.arch.split(","):
+            anchor_ops(arch, args.presets.split(","))
+        return
     print(f"{'arch':7s} {'preset':12s} {'shape':8s} {'kernel':24s} {'regs':>4s} {'spill st/ld':>11s} {'stack':>5s} "
           f"{'smem':>6s} {'sass':>6s} {'shfl':>5s}")
     for arch in args.arch.split(","):

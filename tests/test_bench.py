@@ -204,3 +204,27 @@ def test_programmatic_launch_waits_before_any_memory_access(tmp_path):
             assert waits_first == "True" and count == "2", (arch, name)  # the wait and the go-ahead
         else:
             assert count == "0", (arch, name)
+
+
+def test_read_precision_leaves_the_anchors_operations_unchanged(tmp_path):
+    """DESIGN §3 at compile level, for the GPU kernels this machine cannot run: compiled for
+    sm_90, the operations behind the anchor's stores (ptxas_report.anchor_slice) are the same
+    for an fp16 or fp8 read copy as for the shared fp32 copy, in the split refresh kernel and in
+    the step kernel with the refresh fused; the GPU checks the bits (refresh_bits.py --anchors)."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real compile
+    env["PYTHONPATH"] = os.path.join(root, "src")
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "ptxas_report.py"), "--anchor-ops",
+                          "--presets", "s32_rs,tp16_hi32,tp8_hi32"], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("anchor-ops")]
+    assert len(rows) == 8, out.stdout  # 2 architectures x 2 kernels x 2 read formats
+    for row in rows:
+        assert row[6] == "same", " ".join(row)
