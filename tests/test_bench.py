@@ -152,27 +152,16 @@ def test_ptxas_report_compiles_the_step_kernels_for_sm90(tmp_path):
 
 
 PDL_SCRIPT = r"""
-import sys, triton, torch
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import sys
 sys.path.insert(0, sys.argv[1])
 import ptxas_report as pr
 from replayssm._triton import launch
-
-def ptx(kernel, args, kw):
-    names = kernel.arg_names
-    consts = {k: v for k, v in kw.items() if k in names}
-    sig = {n: "constexpr" if n in consts else pr.TYPES[v.dtype] if isinstance(v, torch.Tensor) else "i32"
-           for n, v in zip(names, list(args) + [None] * (len(names) - len(args)))}
-    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in consts.items()})
-    target = GPUTarget("cuda", 90, 32)
-    return triton.compile(src, target=target, options={"num_warps": kw.get("num_warps", 4)}).asm["ptx"]
 
 launch.TUNING["split_refresh"] = True
 for arch in ("mamba2", "gdn"):
     for kernel, args, kw in pr.record_step(arch, "s32_rs")[:-1]:  # not advance: positional constexprs
         for pdl in ((False, True) if kernel.fn.__name__.endswith("scores_kernel") else (True,)):
-            code = ptx(kernel, args, dict(kw, PDL=pdl))
+            code = pr.compile_sm90(kernel, args, dict(kw, PDL=pdl)).asm["ptx"]
             wait, load = code.find("griddepcontrol.wait"), code.find("ld.global")
             print(arch, kernel.fn.__name__, pdl, wait >= 0 and 0 <= load and wait < load, code.count("griddepcontrol"))
 """
