@@ -217,3 +217,11 @@ def test_read_precision_leaves_the_anchors_operations_unchanged(tmp_path):
     assert len(rows) == 8, out.stdout  # 2 architectures x 2 kernels x 2 read formats
     for row in rows:
         assert row[6] == "same", " ".join(row)
+
+
+def test_report_names_the_commit_given_by_replayssm_commit(monkeypatch):
+    """A device machine's copy of the tree may carry a stale .git: REPLAYSSM_COMMIT wins over git."""
+    monkeypatch.setenv("REPLAYSSM_COMMIT", "0123abc")
+    assert bench._environment()["commit"] == "0123abc"
+    monkeypatch.delenv("REPLAYSSM_COMMIT")
+    assert bench._environment()["commit"] != "0123abc"

@@ -106,11 +106,15 @@ def _environment() -> dict:
                                            capture_output=True, text=True, timeout=10).stdout.strip()
         except (OSError, subprocess.TimeoutExpired):
             env["driver"] = None
-    try:
-        env["commit"] = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True,
-                                       cwd=os.path.dirname(__file__), timeout=10).stdout.strip() or None
-    except (OSError, subprocess.TimeoutExpired):
-        env["commit"] = None
+    # REPLAYSSM_COMMIT names the tree where its copy has no (or a stale) .git, as on a device
+    # machine that receives the working tree: git there described an old commit
+    env["commit"] = os.environ.get("REPLAYSSM_COMMIT")
+    if not env["commit"]:
+        try:
+            env["commit"] = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                                           text=True, cwd=os.path.dirname(__file__), timeout=10).stdout.strip() or None
+        except (OSError, subprocess.TimeoutExpired):
+            env["commit"] = None
     return env
 
 
