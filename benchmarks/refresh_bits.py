@@ -68,34 +68,34 @@ def main():
             dot = {"default": dot, "on": True, "off": False}[args.refresh_dot]
             base = dict(block_rows=rows, num_warps=warps, refresh_dot=dot)
             # "split": at the default refresh shape (launch.REFRESH_SHAPES)
-            configs = [("fused", dict(base, split_refresh=False)), ("split", dict(base, split_refresh=True))]
+            configs = [(f"{rows}x{warps} fused", dict(base, split_refresh=False)),
+                       ("split", dict(base, split_refresh=True))]
             configs += [(f"split/{s}", dict(base, split_refresh=True, **dict(zip(("refresh_rows", "refresh_warps"),
                                                                              map(int, s.split("x"))))))
                         for s in args.refresh_shapes.split(",")]
-            dims = SMALL[arch] if args.small else suite.GEOMETRIES[GEO[arch]][1]
-            y0, sd0 = run(arch, preset, configs[0][1], dims, device)
-            for name, tuning in configs[1:]:
-                y, sd = run(arch, preset, tuning, dims, device)
-                same = {k: torch.equal(sd0[k], sd[k]) for k in sd0}
-                diff = [k for k, v in same.items() if not v]
-                state = "same" if not diff else "DIFFER " + ",".join(diff)
-                print(f"bits {arch:6s} {preset:9s} {rows}x{warps} fused vs {name:10s} outputs "
-                      f"{'same' if torch.equal(y0, y) else 'DIFFER'}; state {state}", flush=True)
+            compare(arch, preset, configs, args.small, device)
+
+
+def compare(arch: str, preset: str, configs: list, small: bool, device):
+    """Print whether the outputs and state of each (name, tuning) configuration after ``run``
+    equal the first configuration's."""
+    dims = SMALL[arch] if small else suite.GEOMETRIES[GEO[arch]][1]
+    first, tuning0 = configs[0]
+    y0, sd0 = run(arch, preset, tuning0, dims, device)
+    for name, tuning in configs[1:]:
+        y, sd = run(arch, preset, tuning, dims, device)
+        diff = [k for k in sd0 if not torch.equal(sd0[k], sd[k])]
+        state = "same" if not diff else "DIFFER " + ",".join(diff)
+        print(f"bits {arch:6s} {preset:9s} {first} vs {name:10s} outputs "
+              f"{'same' if torch.equal(y0, y) else 'DIFFER'}; state {state}", flush=True)
 
 
 def compare_labels(args, device):
     """``--step-shapes``: the outputs and state of each labelled configuration against the first."""
     for arch in args.arch.split(","):
-        dims = SMALL[arch] if args.small else suite.GEOMETRIES[GEO[arch]][1]
         for preset in args.presets.split(","):
-            labels = args.step_shapes.split(",")
-            y0, sd0 = run(arch, preset, launch.parse_shape(labels[0]), dims, device)
-            for label in labels[1:]:
-                y, sd = run(arch, preset, launch.parse_shape(label), dims, device)
-                diff = [k for k in sd0 if not torch.equal(sd0[k], sd[k])]
-                state = "same" if not diff else "DIFFER " + ",".join(diff)
-                print(f"bits {arch:6s} {preset:9s} {labels[0]} vs {label:10s} outputs "
-                      f"{'same' if torch.equal(y0, y) else 'DIFFER'}; state {state}", flush=True)
+            compare(arch, preset, [(label, launch.parse_shape(label)) for label in args.step_shapes.split(",")],
+                    args.small, device)
 
 
 def compare_anchors(args, device):
