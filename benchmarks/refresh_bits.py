@@ -19,6 +19,7 @@ from replayssm.bench import suite
 from replayssm.bench.suite import Problem
 
 GEO = {"mamba2": "nemotron3-super", "gdn": "qwen35-122b"}
+EXTRA: dict = {}  # TUNING added to every configuration (--fp-fusion)
 SMALL = {"mamba2": (2, 64, 128, 1), "gdn": (1, 2, 128, 128)}  # --small: a CPU smoke run (TRITON_INTERPRET=1)
 
 
@@ -31,7 +32,7 @@ def run(arch: str, preset: str, tuning: dict, dims, device, batch: int = 8, wind
     slots = torch.arange(batch, device=device)
     cache.load_state(slots, torch.randn(batch, *cache.state_shape, device=device, generator=gen) * 0.1)
     launch.TUNING.clear()
-    launch.TUNING.update(tuning)
+    launch.TUNING.update(tuning, **EXTRA)
     try:
         for _ in range(window):
             y = suite.replay_call(p, cache, slots, suite.make_inputs(p, device, gen), prm, False, "triton")
@@ -55,8 +56,12 @@ def main():
                     help="instead: the anchor after a refresh under each preset at the defaults, against the first "
                          "preset's (DESIGN §3: the read precision leaves the anchor bit-identical; give presets "
                          "with the same anchor format, e.g. s32_rs,tp16_hi32,tp8_hi32,tp4_hi32)")
+    ap.add_argument("--fp-fusion", choices=["default", "off"], default="default",
+                    help="off: every configuration compiled without the contraction of a * b + c into fma")
     ap.add_argument("--small", action="store_true")
     args = ap.parse_args()
+    global EXTRA
+    EXTRA = {} if args.fp_fusion == "default" else {"fp_fusion": False}
     device = "cpu" if args.small else "cuda"
     if args.step_shapes:
         return compare_labels(args, device)

@@ -245,7 +245,11 @@ class Tracker:
     def accept(self, counts):
         """Accept ``counts[i]`` drafts for row i of the pending verify (pads: any value)."""
         slots, tok = self.pending
-        self.cache.accept(self.t(slots), torch.tensor(counts, dtype=torch.int64))
+        accept = getattr(self.layer, "accept", None)  # a layer may route accept to a backend
+        if accept is None:
+            self.cache.accept(self.t(slots), torch.tensor(counts, dtype=torch.int64))
+        else:
+            accept(self.cache, self.t(slots), torch.tensor(counts, dtype=torch.int64))
         for i, s in enumerate(slots):
             if s >= 0:
                 n = counts[i]

@@ -30,6 +30,9 @@ class TritonLayer:
     def reference(self, state, tok):
         return self.base.reference(state, tok)
 
+    def accept(self, cache, slots, counts):
+        cache.accept(slots, counts, backend="triton")
+
     def run(self, cache, slots, tok, verify):
         fn = {("mamba2", False): rs.mamba2_decode, ("mamba2", True): rs.mamba2_verify,
               ("gdn", False): rs.gdn_decode, ("gdn", True): rs.gdn_verify}[(self.name, verify)]
@@ -109,8 +112,8 @@ def test_triton_low_precision_agrees_with_torch_backend(arch, precision):
         scale = y_torch.abs().max().clamp(min=1.0)
         assert (y_torch - y_triton).abs().max() <= tol * scale
         if verify:
-            for c in caches:
-                c.accept(slots, torch.tensor([1, 0, 2]))
+            for c, backend in zip(caches, ("torch", "triton")):
+                c.accept(slots, torch.tensor([1, 0, 2]), backend=backend)
     a, b = (c.materialize(slots) for c in caches)
     assert (a - b).abs().max() <= tol * a.abs().max().clamp(min=1.0)
     assert all(torch.equal(x, y) for x, y in zip(caches[0].counters(slots).values(),
@@ -394,3 +397,29 @@ def test_a_triton_step_is_four_launches_and_no_pytorch_compute(arch):
         refresh = [f"_{arch}_refresh_kernel"] if split else []
         assert launches == [f"_{arch}_scores_kernel", *refresh, f"_{arch}_step_kernel", "advance_kernel"]
         assert ops.names <= {"empty", "empty_like", "select", "unsqueeze", "view", "slice"}, ops.names
+
+
+def test_triton_accept_matches_torch_accept():
+    """The accept kernel against the PyTorch form on the same counters: pads skipped, counts
+    clamped to [0, pending] (value checks off, so out-of-range counts reach the kernel), several
+    programs (launch.ACCEPT_BLOCK lowered to 4)."""
+    from replayssm._triton import launch
+
+    base = helpers.make_layer("gdn", 0, **GEOMETRY["gdn"])
+    caches = [base.cache(11, window=8, max_draft=4) for _ in range(2)]
+    g = helpers.generator(9)
+    slots = torch.tensor([3, -1, 0, 7, 10, -1, 5, 1, 9, 2])
+    counts = torch.randint(-2, 7, (10,), generator=g)
+    for c in caches:
+        c.check_values = False
+        c.committed.copy_(torch.randint(0, 5, c.committed.shape, generator=helpers.generator(1)))
+        c.pending.copy_(torch.randint(0, 5, c.pending.shape, generator=helpers.generator(2)))
+        c.tokens.copy_(torch.randint(0, 99, c.tokens.shape, generator=helpers.generator(3)))
+    old, launch.ACCEPT_BLOCK = launch.ACCEPT_BLOCK, 4
+    try:
+        caches[0].accept(slots, counts, backend="torch")
+        caches[1].accept(slots, counts.to(torch.int32), backend="triton")
+    finally:
+        launch.ACCEPT_BLOCK = old
+    for name in ("committed", "pending", "tokens", "refreshes"):
+        assert torch.equal(getattr(caches[0], name), getattr(caches[1], name)), name

@@ -24,6 +24,7 @@ import math
 import torch
 
 from . import checks
+from .backend import pick_backend
 from .formats import random_bits
 from .precision import Precision, get_precision
 
@@ -226,14 +227,18 @@ class ReplayCache:
         self.committed[rows] = torch.where(need, 0, self.committed[rows])
         self.refreshes[rows] += need.long()
 
-    def accept(self, slots, num_accepted):
+    def accept(self, slots, num_accepted, backend=None):
         """Commit the first ``num_accepted[b]`` drafts of each slot's pending verify.
 
         Only the committed pointer moves; rejected drafts stay in the buffer beyond the pointer
-        and are overwritten later. ``num_accepted`` int [b], 0 <= n <= pending.
+        and are overwritten later. ``num_accepted`` int [b], 0 <= n <= pending. ``backend`` as
+        in the decode calls: Triton (one launch) by default for CUDA caches.
         """
         checks.check_slots(self, slots)
         checks.check_accepted(self, slots, num_accepted)
+        if pick_backend(self, backend) == "triton":
+            from ._triton import launch
+            return launch.accept(self, slots, num_accepted)
         rows, valid = self.rows_of(slots)
         n = torch.minimum(num_accepted.to(torch.int32).clamp(min=0), self.pending[rows])
         n = torch.where(valid, n, 0)
