@@ -58,6 +58,8 @@ def main():
                          "with the same anchor format, e.g. s32_rs,tp16_hi32,tp8_hi32,tp4_hi32)")
     ap.add_argument("--fp-fusion", choices=["default", "off"], default="default",
                     help="off: every configuration compiled without the contraction of a * b + c into fma")
+    ap.add_argument("--tuning", default="", metavar="LABEL",
+                    help="--anchors: run every preset under this launch.parse_shape label instead of the defaults")
     ap.add_argument("--small", action="store_true")
     args = ap.parse_args()
     global EXTRA
@@ -108,12 +110,18 @@ def compare_anchors(args, device):
     for arch in args.arch.split(","):
         dims = SMALL[arch] if args.small else suite.GEOMETRIES[GEO[arch]][1]
         presets = args.presets.split(",")
-        anchors = [run(arch, p, {}, dims, device)[1]["anchor.values"] for p in presets]
-        for preset, anchor in zip(presets[1:], anchors[1:]):
-            same = torch.equal(anchors[0], anchor)
-            worst = 0.0 if same else (anchors[0].double() - anchor.double()).abs().max().item()
-            print(f"anchor {arch:6s} {presets[0]} vs {preset:12s} {'same' if same else f'DIFFER (max {worst:.1e})'}",
-                  flush=True)
+        tuning = launch.parse_shape(args.tuning) if args.tuning else {}
+        states = [run(arch, p, tuning, dims, device)[1] for p in presets]
+        for preset, sd in zip(presets[1:], states[1:]):
+            a0, a = states[0]["anchor.values"], sd["anchor.values"]
+            same = torch.equal(a0, a)
+            differ = (a0 != a).sum().item()
+            worst = 0.0 if same else (a0.double() - a.double()).abs().max().item()
+            # the fold's other inputs: equal, or the difference is not the fold's
+            inputs = [k for k in sd if k.startswith("buffer.") and k != "buffer.u" and not torch.equal(states[0][k], sd[k])]
+            print(f"anchor {arch:6s} {presets[0]} vs {preset:12s} "
+                  f"{'same' if same else f'DIFFER (max {worst:.1e}, {differ} of {a.numel()} elements)'}; "
+                  f"buffers {'same' if not inputs else 'DIFFER ' + ','.join(inputs)}", flush=True)
 
 
 if __name__ == "__main__":
