@@ -225,3 +225,28 @@ def test_report_names_the_commit_given_by_replayssm_commit(monkeypatch):
     assert bench._environment()["commit"] == "0123abc"
     monkeypatch.delenv("REPLAYSSM_COMMIT")
     assert bench._environment()["commit"] != "0123abc"
+
+
+def test_verify_steps_take_their_draft_shape_only_where_the_refresh_is_split():
+    """``launch.DRAFT_SHAPES``: a GDN fp8 verify step of T >= 4 runs at its own shape (its refresh
+    is always a launch of its own, so the anchor never sees that shape); decode steps, other
+    formats and a forced fused refresh keep ``SHAPES``."""
+    pytest.importorskip("triton")
+    import replayssm as rs
+    from replayssm._triton import launch
+
+    def shape(preset, T):
+        cache = rs.GDNCache(1, 2, 4, 128, 128, precision=preset, device="meta")
+        return launch.launch_shape(cache, "gdn", T)[:2]
+
+    least, *draft = launch.DRAFT_SHAPES[("gdn", "fp8_e4m3")]
+    step = launch.SHAPES[("gdn", "fp8_e4m3")][:2]
+    assert tuple(draft) != step
+    assert shape("tp8_hi32", least) == tuple(draft)
+    assert shape("tp8_hi32", 1) == step and shape("tp8_hi32", least - 1) == step
+    assert shape("s32_rs", least) == launch.SHAPES[("gdn", "fp32")][:2]
+    try:
+        launch.TUNING["split_refresh"] = False  # a fused refresh would fold at the step's shape
+        assert shape("tp8_hi32", least) == step
+    finally:
+        launch.TUNING.clear()

@@ -216,9 +216,13 @@ TUNING: dict = {}
 #: (``gdn.triton._refresh_by_substitution``, ``TUNING["refresh_dot"]``) is faster for element-wise
 #: read copies (staggered s32_rs 477 -> 442 us, tp8_hi32 435 -> 409), but its anchor bits depend on
 #: the tile shape on the GPU, and an NVFP4 read copy forces 32-row tiles: tp4_hi32's anchor then
-#: differed from s32_rs's by up to 1.9e-7. NVFP4 rows are one row block.
-SHAPES = {("mamba2", "fp32"): (32, 2, True), ("mamba2", "fp16"): (32, 2, True),
-          ("mamba2", "bf16"): (32, 2, True), ("mamba2", "fp8_e4m3"): (32, 2, True),
+#: differed from s32_rs's by up to 1.9e-7. NVFP4 rows are one row block. Mamba-2 runs one warp per
+#: 32 rows: its row reductions then stay inside a warp, and a verify step's T output passes no longer
+#: convert layouts across warps (H200, batch 256, staggered, us per step or round, 32x2 -> 32x1:
+#: T=1 s32_rs 358.3 -> 347.1, tp16_hi32 261.1 -> 251.6, tp8_hi32 270.4 -> 246.0; T=2 557 -> 480;
+#: T=4 944 -> 770, 925 -> 693, 918 -> 738; T=8 2448 -> 1402).
+SHAPES = {("mamba2", "fp32"): (32, 1, True), ("mamba2", "fp16"): (32, 1, True),
+          ("mamba2", "bf16"): (32, 1, True), ("mamba2", "fp8_e4m3"): (32, 1, True),
           ("mamba2", "nvfp4"): (32, 4, True),
           ("gdn", "fp32"): (64, 4, False), ("gdn", "fp16"): (64, 4, False),
           ("gdn", "bf16"): (64, 4, False), ("gdn", "fp8_e4m3"): (64, 4, False),
@@ -275,10 +279,22 @@ def _tile_rows(cache, rows: int) -> int:
     return rows
 
 
-def launch_shape(cache, arch: str) -> tuple[int, int, bool]:
-    """(rows of a head per program, warps per program, refresh on tensor cores) for a step of
-    ``cache`` (``SHAPES``, ``TUNING`` over them, rows as ``_tile_rows`` allows)."""
-    rows, warps, dot = SHAPES[(arch, cache.precision.read_format.name)]
+#: Step shapes of verify steps where they differ from ``SHAPES``: (arch, read format) -> (least
+#: draft length, rows, warps). GDN verify steps always refresh in their own launch
+#: (``SPLIT_MIN_DRAFT``), so the step's shape never touches the anchor. H200, batch 256, T=4 round,
+#: 64x4 -> 32x2: tp8_hi32 1315.9 -> 1135.6 us (s32_rs 1138.1 -> 1160.4, tp16_hi32 1085.8 -> 1100.8).
+DRAFT_SHAPES = {("gdn", "fp8_e4m3"): (4, 32, 2)}
+
+
+def launch_shape(cache, arch: str, T: int = 1) -> tuple[int, int, bool]:
+    """(rows of a head per program, warps per program, refresh on tensor cores) for a step of T
+    tokens of ``cache`` (``SHAPES``, ``DRAFT_SHAPES``, ``TUNING`` over them, rows as ``_tile_rows``
+    allows)."""
+    fmt = cache.precision.read_format.name
+    rows, warps, dot = SHAPES[(arch, fmt)]
+    least, *shape = DRAFT_SHAPES.get((arch, fmt), (None, rows, warps))
+    if least is not None and T >= least and split_refresh(arch, 1, T):
+        rows, warps = shape
     rows = _tile_rows(cache, TUNING.get("block_rows", rows))
     return rows, TUNING.get("num_warps", warps), TUNING.get("refresh_dot", dot)
 

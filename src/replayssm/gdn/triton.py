@@ -312,7 +312,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     anchor, read, consts = launch.format_args(cache)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     o = torch.empty(b, T, HV, V, dtype=torch.float32, device=v.device)
-    bv, warps, refresh_dot = launch.launch_shape(cache, "gdn")
+    bv, warps, refresh_dot = launch.launch_shape(cache, "gdn", T)
     split = launch.split_refresh("gdn", b, T)
     buf = cache.buffer
     LP = max(16, triton.next_power_of_2(cache.window))

@@ -247,7 +247,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
     z = None if z is None else z.contiguous()
     y = torch.empty(b, T, H, P, dtype=torch.float32, device=x.device)
-    bv, warps, refresh_dot = launch.launch_shape(cache, "mamba2")
+    bv, warps, refresh_dot = launch.launch_shape(cache, "mamba2", T)
     split = launch.split_refresh("mamba2", b, T)
     kc = launch.refresh_columns(cache)
     buf = cache.buffer
