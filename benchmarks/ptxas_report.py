@@ -31,9 +31,10 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 NVDISASM = os.path.join(os.path.dirname(PTXAS), "nvdisasm")
 TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float8_e4m3fn: "*fp8e4nv",
          torch.uint8: "*u8", torch.int32: "*i32", torch.int64: "*i64"}
-# small versions of the real geometries: same head shapes, fewer heads and slots
-GEOMETRY = {"mamba2": dict(nheads=8, headdim=64, dstate=128, ngroups=2),
-            "gdn": dict(num_k_heads=2, num_v_heads=4, head_k_dim=128, head_v_dim=128)}
+# the real geometries (two slots) with the benchmarks' bf16 buffers: the head counts and
+# element types decide the compiler's alignment facts, hence vector widths and layouts
+GEOMETRY = {"mamba2": dict(nheads=128, headdim=64, dstate=128, ngroups=8, buffer_dtype=torch.bfloat16),
+            "gdn": dict(num_k_heads=16, num_v_heads=64, head_k_dim=128, head_v_dim=128, buffer_dtype=torch.bfloat16)}
 
 
 def record_step(arch: str, preset: str, T: int = 1):
@@ -63,20 +64,30 @@ def record_step(arch: str, preset: str, T: int = 1):
 
 
 def compile_sm90(kernel, args, kwargs):
-    """Compile one recorded launch for sm_90a (Triton's compiled kernel: ``.asm`` has ttgir, ptx, cubin)."""
+    """Compile one recorded launch for sm_90a (Triton's compiled kernel: ``.asm`` has ttgir, ptx,
+    cubin), specialized as Triton's launcher specializes it on the GPU: pointers and integers that
+    are multiples of 16 carry that fact (``tt.divisibility``), which widens vector accesses and so
+    changes layouts. Without it, the TTGIR compared by ``anchor_slice`` is not the device's."""
     names = kernel.arg_names
     constexprs = {k: v for k, v in kwargs.items() if k in names}
-    signature = {}
-    for name, value in zip(names, list(args) + [None] * (len(names) - len(args))):
+    signature, attrs = {}, {}
+    for i, (name, value) in enumerate(zip(names, list(args) + [None] * (len(names) - len(args)))):
         if name in constexprs:
             signature[name] = "constexpr"
         elif isinstance(value, torch.Tensor):
             signature[name] = TYPES[value.dtype]
+            aligned = value.data_ptr() % 16 == 0
         else:
             signature[name] = "i64" if abs(int(value)) >= 2**31 else "i32"
+            aligned = int(value) % 16 == 0
+        if name not in constexprs and aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=kernel, signature=signature,
-                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": kwargs.get("num_warps", 4)})
+                    constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
+    options = {"num_warps": kwargs.get("num_warps", 4)}
+    if "enable_fp_fusion" in kwargs:
+        options["enable_fp_fusion"] = kwargs["enable_fp_fusion"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def assemble(kernel, args, kwargs) -> dict:
@@ -105,10 +116,12 @@ FLOAT = re.compile(r"x(?:f16|bf16|f32|f64|f8\w*)[,>]|: (?:f16|bf16|f32)\b")
 def anchor_slice(compiled, values_only: bool = False, anchor_arg: str = "av_ptr") -> list[str]:
     """The TTGIR operations that the kernel's stores to ``anchor_arg`` depend on (their backward
     data-flow slice, pointers and values), one line each in program order, with value names and
-    source locations dropped and layouts spelled out (#blocked3 in one kernel is #blocked1 in
-    another): what the anchor is computed from, comparable across compilations. ``values_only``:
-    only the operations with floating-point results (loads, arithmetic, reductions, layout
-    conversions) and the stores, not the address arithmetic."""
+    source locations dropped: what the anchor is computed from, comparable across compilations.
+    A layout (how a tensor's elements are spread over threads) decides bits only where elements
+    are combined: reductions and dot products carry their layouts spelled out (#blocked3 in one
+    kernel is #blocked1 in another); other operations carry none, and layout conversions, which
+    move values unchanged, are left out. ``values_only``: only the operations with floating-point
+    results (loads, arithmetic, reductions) and the stores, not the address arithmetic."""
     ttgir = compiled.asm["ttgir"]
     layouts = dict(re.findall(r"^(#(?:blocked|shared|mma|linear)\w*) = (.*)$", ttgir, re.M))
     alias = re.compile("|".join(sorted(map(re.escape, layouts), key=len, reverse=True)) + r"\b") if layouts else None
@@ -146,12 +159,18 @@ def anchor_slice(compiled, values_only: bool = False, anchor_arg: str = "av_ptr"
         line = lines[i]
         if line.endswith("({"):  # a reduction: its operand and result types close its region
             line += " " + next(close for close in lines[i + 1:] if close.startswith("})"))
+        if "ttg.convert_layout" in line:
+            continue
         line = value.sub(lambda m: m.group(0) if m.group(0) in args else "%v", line)
-        line = alias.sub(lambda m: layouts[m.group(0)], line) if alias else line
+        combines = "tt.reduce" in line or "dot" in line.split(" : ", 1)[0]
+        if alias:
+            line = alias.sub(lambda m: layouts[m.group(0)] if combines else "#layout", line)
         if values_only and not (line.startswith("tt.store") or FLOAT.search(line.rsplit(" : ", 1)[-1])):
             continue
         (constants if "arith.constant" in line else ops).append(line)
-    return sorted(constants) + ops  # constants are hoisted in no particular order
+    # program order is the scheduler's (a hoisted address computation moves everything after
+    # it), not the data flow's: compare the operations as a multiset
+    return sorted(constants) + sorted(ops)
 
 
 def anchor_ops(arch: str, presets: list[str]) -> dict:
@@ -162,7 +181,7 @@ def anchor_ops(arch: str, presets: list[str]) -> dict:
     anchor bit-identical) for presets with the same anchor format and tiles. The bits themselves
     are checked on the GPU (refresh_bits.py --anchors). Prints and returns {(kernel, preset): same}."""
     found = {}
-    for split, name, values_only in ((True, "refresh_kernel", False), (False, "step_kernel", True)):
+    for split, name, values_only in ((True, "refresh_kernel", True), (False, "step_kernel", True)):
         launch.TUNING.update(split_refresh=split)
         try:
             kernels = {p: next((k, a, kw) for k, a, kw in record_step(arch, p) if name in k.fn.__name__)
