@@ -20,7 +20,7 @@ def _roundtrip_kernel(x_ptr, v_ptr, s_ptr, g_ptr, load_ptr, q_ptr, mv_ptr, seed_
     ck = tl.arange(0, DK)
     S = tl.load(x_ptr + (mat * DV + rv[:, None]) * DK + ck[None, :])
     seed = tl.load(seed_ptr + mat)
-    tf.store_tile(S, v_ptr, s_ptr, g_ptr, mat, mat, mat % 3, rv, ck, seed, stream, DV, DK, FMT, SR, FMT == 0)
+    tf.store_tile(S, v_ptr, s_ptr, g_ptr, mat, mat, mat % 3, rv, ck, seed, stream, DV, DK, FMT, SR)
     tl.debug_barrier()
     back = tf.load_tile(v_ptr, s_ptr, g_ptr, mat, mat, rv, ck, DV, DK, FMT)
     tl.store(load_ptr + (mat * DV + rv[:, None]) * DK + ck[None, :], back)

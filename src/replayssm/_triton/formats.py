@@ -66,44 +66,15 @@ def grid_round(y, r24, M: tl.constexpr, EMIN: tl.constexpr, MAXV: tl.constexpr, 
 
 
 @triton.jit
-def anchor_offsets(mat, rv, ck, DV: tl.constexpr, DK: tl.constexpr):
-    """Element offsets of rows ``rv`` [BV], columns ``ck`` [BK] of anchor matrix ``mat``, shaped
-    [BV, BK / 4, 4]: the anchor's loads and stores use this 3-d shape and no read-copy access
-    does. Triton vectorizes a load as widely as the widest access of the same shape anywhere in
-    its data-flow slice; at [BV, BK] an fp16 or fp8 read copy's wide accesses widened the
-    anchor's load, the fold then ran in that layout, its row reductions summed in another
-    order, and the anchor's bits depended on the read format (DESIGN §3; found on the H200,
-    BENCHMARKS.md, seventh session)."""
-    BV: tl.constexpr = rv.shape[0]
-    BK: tl.constexpr = ck.shape[0]
-    at = (mat * DV + rv[:, None]) * DK + ck[None, :]
-    return tl.reshape(at, (BV, BK // 4, 4))
-
-
-@triton.jit
-def _anchor_load(ptr, mat, rv, ck, DV: tl.constexpr, DK: tl.constexpr):
-    return tl.reshape(tl.load(ptr + anchor_offsets(mat, rv, ck, DV, DK)), (rv.shape[0], ck.shape[0]))
-
-
-@triton.jit
-def _store_values(ptr, v, mat, rv, ck, DV: tl.constexpr, DK: tl.constexpr, ANCHOR: tl.constexpr):
-    """Store an encoded element-wise tile v [BV, BK]: an anchor's by ``anchor_offsets``."""
-    if ANCHOR:
-        tl.store(ptr + anchor_offsets(mat, rv, ck, DV, DK), tl.reshape(v, (rv.shape[0], ck.shape[0] // 4, 4)))
-    else:
-        tl.store(ptr + (mat * DV + rv[:, None]) * DK + ck[None, :], v)
-
-
-@triton.jit
 def load_tile(v_ptr, s_ptr, g_ptr, mat, gidx, rv, ck, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr):
-    """Rows ``rv`` [BV] x columns ``ck`` [BK] of anchor matrix ``mat`` decoded to fp32: all DK
-    columns, or BK contiguous ones starting at a multiple of 32 (``gidx``: the NVFP4 global-scale
-    index of this row block). Addressed by ``anchor_offsets``."""
+    """Rows ``rv`` [BV] x columns ``ck`` [BK] of matrix ``mat`` decoded to fp32: all DK columns,
+    or BK contiguous ones starting at a multiple of 32 (``gidx``: the NVFP4 global-scale index of
+    this row block)."""
     row = mat * DV + rv[:, None]
     if FMT <= 2:
-        return _anchor_load(v_ptr, mat, rv, ck, DV, DK).to(tl.float32)
+        return tl.load(v_ptr + row * DK + ck[None, :]).to(tl.float32)
     elif FMT == 3:
-        vals = _anchor_load(v_ptr, mat, rv, ck, DV, DK).to(tl.float32)
+        vals = tl.load(v_ptr + row * DK + ck[None, :]).to(tl.float32)
         return vals * tl.load(s_ptr + row * (DK // 32) + ck[None, :] // 32)
     else:
         BK: tl.constexpr = ck.shape[0]
@@ -118,13 +89,23 @@ def load_tile(v_ptr, s_ptr, g_ptr, mat, gidx, rv, ck, DV: tl.constexpr, DK: tl.c
 
 
 @triton.jit
+def anchor_rows(ra, av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV: tl.constexpr, DK: tl.constexpr,
+                A_FMT: tl.constexpr, R_FMT: tl.constexpr, SHARED: tl.constexpr):
+    """The anchor's rows ``rv`` as fp32 [BV, DK] for a refresh: ``ra`` (the read copy from
+    ``load_read``) already holds them when the copy is shared and element-wise; else a load."""
+    if SHARED and R_FMT <= 2:
+        return ra
+    else:
+        return load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
+
+
+@triton.jit
 def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
-               DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr, SR: tl.constexpr, ANCHOR: tl.constexpr):
+               DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr, SR: tl.constexpr):
     """Encode fp32 tile S [BV, BK] (rows rv, columns ck of matrix ``mat``) into format FMT and
     store it: all DK columns, or BK contiguous ones from a multiple of 32 (one fp8 scale block
     each), except NVFP4, whose tile is one whole global-scale row block, stored at ``gidx``.
-    Stochastic rounding is keyed by (seed, stream, logical element index). ANCHOR: element-wise
-    values are addressed by ``anchor_offsets``."""
+    Stochastic rounding is keyed by (seed, stream, logical element index)."""
     BV: tl.constexpr = S.shape[0]
     BK: tl.constexpr = S.shape[1]
     row = mat * DV + rv[:, None]
@@ -133,7 +114,7 @@ def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
         offset = (head.to(tl.int64) * DV + rv[:, None]) * DK + ck[None, :]  # logical, not the storage row
         r24 = (random_u32(seed, stream, offset) >> 8) & 0xFFFFFF
     if FMT == 0:
-        _store_values(v_ptr, S, mat, rv, ck, DV, DK, ANCHOR)
+        tl.store(v_ptr + row * DK + ck[None, :], S)
     elif FMT <= 2:
         if FMT == 1:
             MAXV: tl.constexpr = 65504.0
@@ -147,7 +128,7 @@ def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
         y = grid_round(S, r24, M, EMIN, MAXV, SR)
         y = tl.where((S != S) | (tl.abs(S) == float("inf")), S, y)  # NaN and inf pass through
         v = y.to(v_ptr.dtype.element_ty)
-        _store_values(v_ptr, v, mat, rv, ck, DV, DK, ANCHOR)
+        tl.store(v_ptr + row * DK + ck[None, :], v)
     elif FMT == 3:
         NB: tl.constexpr = BK // 32
         X = tl.reshape(S, (BV, NB, 32))
@@ -162,7 +143,7 @@ def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
         y = tl.reshape(y, (BV, BK))
         # rounded on the e4m3 grid here, so the cast is exact on every backend
         v = grid_round(y, r24, 3, -6, 448.0, SR).to(tl.float8e4nv)
-        _store_values(v_ptr, v, mat, rv, ck, DV, DK, ANCHOR)
+        tl.store(v_ptr + row * DK + ck[None, :], v)
         sb = tl.min(ck, 0) // 32 + tl.arange(0, NB)
         tl.store(s_ptr + row * (DK // 32) + sb[None, :], scale)
     else:
@@ -287,6 +268,6 @@ def write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gid
     ``ReplayCache.write_checkpoint``). A program that goes on to read the read copy loads it
     back after a barrier (``load_read``): products over registers in the encoder's layout could
     reduce in another order than the step kernel's, so outputs would depend on where the refresh ran."""
-    store_tile(S, av_ptr, as_ptr, ag_ptr, mat, gidx, head, rv, ck, seed, tokens * 2, DV, DK, A_FMT, A_SR, True)
+    store_tile(S, av_ptr, as_ptr, ag_ptr, mat, gidx, head, rv, ck, seed, tokens * 2, DV, DK, A_FMT, A_SR)
     if not SHARED:
-        store_tile(S, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck, seed, tokens * 2 + 1, DV, DK, R_FMT, R_SR, False)
+        store_tile(S, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck, seed, tokens * 2 + 1, DV, DK, R_FMT, R_SR)

@@ -32,7 +32,7 @@ from .._triton.launch import after_previous_launch
 from .._triton.decay import segment_to, suffix_sums
 from .._triton.window import (cursor_of, early_cursor, refresh_item, refresh_plan, refresh_program, slot_cursor,
                               slot_row, window_rows, window_scalars)
-from .._triton.formats import (column, load_query, load_read, load_tile, matvec,
+from .._triton.formats import (anchor_rows, column, load_query, load_read, load_tile, matvec,
                                products_on_tensor_cores, write_checkpoint)
 
 
@@ -157,14 +157,14 @@ def _refresh_by_substitution(pid_b, row, head, khead, h, rv, mat, gidx, seed, to
 
 @triton.jit
 def _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr,
-                      rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, HV, HK, L: tl.constexpr,
+                      rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, ra, HV, HK, L: tl.constexpr,
                       LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
                       A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
-                      SHARED: tl.constexpr, REFRESH_DOT: tl.constexpr):
+                      SHARED: tl.constexpr, REFRESH_DOT: tl.constexpr, FROM_READ: tl.constexpr):
     """Refresh rows pid_v * BV ... of one head of storage row ``row`` (h committed entries,
-    batch row ``pid_b``): by substitution on tensor cores (REFRESH_DOT) or token by token. The
-    anchor rows are loaded here even where the step kernel holds them as its shared fp32 read
-    copy: only the anchor's own accesses (``formats.anchor_offsets``) then decide the fold's layout."""
+    batch row ``pid_b``): by substitution on tensor cores (REFRESH_DOT) or token by token. FROM_READ:
+    the step kernel's read-copy rows ``ra`` serve as the anchor's where they are the same values
+    (``anchor_rows``), saving the token loop a load; otherwise ``ra`` is unused."""
     mat = row * HV + head
     gidx = mat * (DV // BV) + pid_v
     rv = pid_v * BV + tl.arange(0, BV)
@@ -177,7 +177,10 @@ def _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_pt
                                  DK, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED)
     else:
         ck = tl.arange(0, DK)
-        S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
+        if FROM_READ:
+            S = anchor_rows(ra, av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT, R_FMT, SHARED)
+        else:
+            S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
         S = _fold_tokens(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, khead, h, rv, HV, HK, L, DV, DK)
         # the seed and counter loaded after the fold: loaded before it, NVFP4 steps measured 10% slower
         write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
@@ -206,16 +209,16 @@ def _gdn_refresh_kernel(
             pid_v, head, pid_b, row, h = refresh_item(need, ordinal, w, slots_ptr, committed_ptr, SCRATCH, DV // BV,
                                                       HV)
             _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr, av_ptr, as_ptr, ag_ptr,
-                              rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, HV, HK, L, LP, DV, DK, BV,
-                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT)
+                              rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, 0.0, HV, HK, L, LP, DV, DK, BV,
+                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, False)
             w += tl.num_programs(0)
     else:
         pid_v, head, pid_b, row, h, need = refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T, L,
                                                            EARLY_CURSOR)
         if need:
             _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr, av_ptr, as_ptr, ag_ptr,
-                              rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, HV, HK, L, LP, DV, DK, BV,
-                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT)
+                              rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, 0.0, HV, HK, L, LP, DV, DK, BV,
+                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, False)
 
 
 @triton.jit
@@ -250,8 +253,8 @@ def _gdn_step_kernel(
     if FUSED_REFRESH:
         if need:  # refresh: re-solve the committed residuals from the anchor
             _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr, av_ptr, as_ptr, ag_ptr,
-                              rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, HV, HK, L, LP, DV, DK, BV,
-                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT)
+                              rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, ra, HV, HK, L, LP, DV, DK, BV,
+                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, True)
             tl.debug_barrier()  # read back, as after a split refresh (write_checkpoint says why)
             ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
     h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
