@@ -175,19 +175,25 @@ def anchor_slice(compiled, values_only: bool = False, anchor_arg: str = "av_ptr"
 
 def anchor_ops(arch: str, presets: list[str]) -> dict:
     """Whether each preset computes its anchor from exactly the operations of the first preset
-    (``anchor_slice``), in the split refresh kernel (every operation) and in the step kernel with
-    the refresh fused (the floating-point ones: the shared fp32 copy loads the anchor through the
-    read-copy pointer there): a compile-level check of DESIGN §3 (the read precision leaves the
-    anchor bit-identical) for presets with the same anchor format and tiles. The bits themselves
-    are checked on the GPU (refresh_bits.py --anchors). Prints and returns {(kernel, preset): same}."""
+    (``anchor_slice``: the floating-point ones, with the layouts of reductions and products), in
+    the split refresh kernel and, where the defaults ever fuse the refresh (Mamba-2 below
+    ``launch.SPLIT_MIN_BATCH``), in the step kernel with the refresh fused: a compile-level check
+    of DESIGN §3 (the read precision leaves the anchor bit-identical) for presets with the same
+    anchor format and tiles. The bits themselves are checked on the GPU (refresh_bits.py
+    --anchors). Prints and returns {(kernel, preset): same}."""
     found = {}
-    for split, name, values_only in ((True, "refresh_kernel", True), (False, "step_kernel", True)):
-        launch.TUNING.update(split_refresh=split)
+    tuning = dict(launch.TUNING)  # --tuning, kept for every recording
+    kinds = [(True, "refresh_kernel", True)]
+    if not launch.split_refresh(arch, 1):  # the defaults fuse the refresh at some batch
+        kinds.append((False, "step_kernel", True))
+    for split, name, values_only in kinds:
+        launch.TUNING.update(tuning, split_refresh=split)
         try:
             kernels = {p: next((k, a, kw) for k, a, kw in record_step(arch, p) if name in k.fn.__name__)
                        for p in presets}
         finally:
             launch.TUNING.clear()
+            launch.TUNING.update(tuning)
         ref = anchor_slice(compile_sm90(*kernels[presets[0]]), values_only)
         for preset in presets[1:]:
             ops = anchor_slice(compile_sm90(*kernels[preset]), values_only)
@@ -212,7 +218,11 @@ def main(argv=None):
     ap.add_argument("--anchor-ops", action="store_true",
                     help="instead: compare the operations behind the split refresh kernels' anchor stores with "
                          "the first preset's (anchor_ops)")
+    ap.add_argument("--tuning", action="append", default=[], metavar="KEY=INT",
+                    help="a launch.TUNING entry for every compile, e.g. pin_vector_width=0 (repeatable)")
     args = ap.parse_args(argv)
+    extra = {key: int(value) for key, _, value in (item.partition("=") for item in args.tuning)}
+    launch.TUNING.update(extra)
     if args.anchor_ops:
         for arch in args.arch.split(","):
             anchor_ops(arch, args.presets.split(","))
@@ -223,6 +233,7 @@ def main(argv=None):
         for preset in args.presets.split(","):
             for shape in args.shapes.split(","):
                 launch.TUNING.clear()
+                launch.TUNING.update(extra)
                 if shape != "default":
                     launch.TUNING.update(launch.parse_shape(shape))
                 else:  # the steps are recorded at batch 2; compile the launches of --batch

@@ -354,8 +354,9 @@ def test_mamba2_input_preparation_in_kernel_matches_torch(softplus):
 @pytest.mark.parametrize("arch", ["mamba2", "gdn"])
 def test_a_triton_step_is_four_launches_and_no_pytorch_compute(arch):
     """With check_values off (as under CUDA-graph capture) a decode step is the scores, refresh,
-    step and advance launches (scores, step, advance with the fused refresh, the default below
-    launch.SPLIT_MIN_BATCH rows); PyTorch only allocates outputs and scratch and makes views."""
+    step and advance launches (scores, step, advance with the fused refresh, Mamba-2's default
+    below launch.SPLIT_MIN_BATCH rows; GDN always splits); PyTorch only allocates outputs and
+    scratch and makes views."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from replayssm._triton import launch
@@ -380,10 +381,12 @@ def test_a_triton_step_is_four_launches_and_no_pytorch_compute(arch):
         args = (bf(3, 2, 32), bf(3, 2, 32), bf(3, 4, 16), -torch.rand(3, 4, generator=g), bf(3, 4))
         call = rs.gdn_decode
     cache.check_values = False
-    assert not launch.split_refresh(arch, 3) and launch.split_refresh(arch, launch.SPLIT_MIN_BATCH[arch])
+    by_batch = launch.SPLIT_MIN_BATCH[arch] <= 3
+    assert launch.split_refresh(arch, 3) == by_batch and launch.split_refresh(arch, launch.SPLIT_MIN_BATCH[arch])
     draft = launch.SPLIT_MIN_DRAFT[arch]  # verify steps of this many drafts split at any batch
-    assert draft is None or (launch.split_refresh(arch, 3, draft) and not launch.split_refresh(arch, 3, draft - 1))
-    for split in (True, False, None):  # None: the default for a batch of 3, fused
+    assert draft is None or (launch.split_refresh(arch, 3, draft)
+                             and launch.split_refresh(arch, 3, draft - 1) == by_batch)
+    for split in (True, False, None):  # None: the default for a batch of 3
         launches = []
         launch.LAUNCHER = lambda kernel, grid, a, kw: launches.append(kernel.fn.__name__)
         if split is not None:
@@ -394,7 +397,7 @@ def test_a_triton_step_is_four_launches_and_no_pytorch_compute(arch):
         finally:
             launch.LAUNCHER = launch._launch
             launch.TUNING.clear()
-        refresh = [f"_{arch}_refresh_kernel"] if split else []
+        refresh = [f"_{arch}_refresh_kernel"] if (by_batch if split is None else split) else []
         assert launches == [f"_{arch}_scores_kernel", *refresh, f"_{arch}_step_kernel", "advance_kernel"]
         assert ops.names <= {"empty", "empty_like", "select", "unsqueeze", "view", "slice"}, ops.names
 

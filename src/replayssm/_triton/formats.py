@@ -89,6 +89,18 @@ def load_tile(v_ptr, s_ptr, g_ptr, mat, gidx, rv, ck, DV: tl.constexpr, DK: tl.c
 
 
 @triton.jit
+def pin_vector_width(ptr, mat, rv, ck, never, DV: tl.constexpr, DK: tl.constexpr):
+    """A store of one-byte zeros shaped like the state tile [BV, BK] that never happens (``never``
+    is false at run time but unknown to the compiler). Triton vectorizes a load as widely as the
+    widest access of the same shape in its data-flow slice, so the anchor tile's load, and the
+    layout of the fold computed from it, otherwise follow the read format (fp32: 4 elements per
+    thread, fp16: 8, fp8: 16) and the fold's row reductions sum in a format-dependent order. With
+    this store in the slice every format loads 16 per thread."""
+    at = (mat * DV + rv[:, None]) * DK + ck[None, :]
+    tl.store(ptr.to(tl.pointer_type(tl.int8)) + at, tl.zeros(at.shape, tl.int8), mask=never)
+
+
+@triton.jit
 def anchor_rows(ra, av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV: tl.constexpr, DK: tl.constexpr,
                 A_FMT: tl.constexpr, R_FMT: tl.constexpr, SHARED: tl.constexpr):
     """The anchor's rows ``rv`` as fp32 [BV, DK] for a refresh: ``ra`` (the read copy from

@@ -199,7 +199,7 @@ def check_geometry(cache):
 #: Launch-shape overrides, for benchmark sweeps: {"block_rows": int, "num_warps": int,
 #: "refresh_dot": bool, "split_refresh": bool, "early_cursor": bool, "output_dot": bool,
 #: "refresh_rows": int, "refresh_warps": int, "persistent_refresh": bool, "refresh_columns": int,
-#: "pdl": bool, "fp_fusion": bool};
+#: "pdl": bool, "fp_fusion": bool, "pin_vector_width": bool};
 #: ``parse_shape`` reads them from a label. Each default is the faster one measured
 #: (BENCHMARKS.md) among those that keep the anchor's bits: ``early_cursor`` on (``cursor_args``),
 #: ``output_dot`` by draft length (``OUTPUT_DOT_MIN_DRAFT``), ``refresh_dot`` off for GDN
@@ -385,8 +385,10 @@ def refresh_grid(device, grid: tuple) -> tuple[tuple, bool]:
 #: s32_rs, µs per step split -> fused, with programmatic launch (sixth session, BENCHMARKS.md):
 #: batch 1 Mamba-2 7.1 -> 5.9, GDN 8.5 -> 7.9; batch 8 Mamba-2 18.3 -> 16.1 (tp8_hi32 18.3 -> 15.8),
 #: GDN 26.9 -> 28.5 but tp16_hi32 26.1 -> 23.1, tp8_hi32 24.4 -> 21.6; batch 16 GDN fused 58.8
-#: against split 49.6 (tp8_hi32 38.3 against 41.0).
-SPLIT_MIN_BATCH = {"mamba2": 16, "gdn": 16}
+#: against split 49.6 (tp8_hi32 38.3 against 41.0). GDN refreshes in its own launch at every batch:
+#: only that kernel pins its fold's layout (``pin_vector_width``), so the anchor's bits do not
+#: depend on the read format, and a fused refresh would fold in another layout than the split one.
+SPLIT_MIN_BATCH = {"mamba2": 16, "gdn": 1}
 
 #: Smallest draft length whose verify steps refresh in a launch of their own at any batch, by
 #: architecture (None: by batch only). GDN's fused refresh is a 64-row token loop inside the step
@@ -394,6 +396,18 @@ SPLIT_MIN_BATCH = {"mamba2": 16, "gdn": 16}
 #: at T = 4. H200, T = 4 round, fused -> split: batch 1 GDN s32_rs 53.2 -> 49.0, tp8_hi32 49.1 ->
 #: 46.9 (tp16_hi32 50.6 -> 50.9); batch 8 122.7 -> 92.9, 106.7 -> 93.4, 101.9 -> 92.1.
 SPLIT_MIN_DRAFT = {"mamba2": None, "gdn": 4}
+
+
+def pin_vector_width() -> bool:
+    """Whether the GDN refresh kernel pins the vector width of its anchor load
+    (``formats.pin_vector_width``): Triton's coalescing otherwise widens that load to match the
+    read copy's accesses in the same kernel (fp32 4, fp16 8, fp8 16 elements per thread), the
+    token-loop fold follows that layout, and its row reductions sum in a read-format-dependent
+    order: on the H200 the anchors of s32_rs and tp16_hi32 differed by 1 ulp in a quarter of their
+    elements (BENCHMARKS.md, seventh session). Pinned, every format folds at 16 per thread, which
+    ptxas counts as fewer instructions too (s32_rs refresh at 16x2: 4248 -> 2808 SASS instructions,
+    640 -> 96 shuffles, 80 -> 96 registers). ``TUNING["pin_vector_width"] = False`` unpins."""
+    return TUNING.get("pin_vector_width", True)
 
 
 def split_refresh(arch: str, batch: int, T: int = 1) -> bool:

@@ -32,7 +32,7 @@ from .._triton.launch import after_previous_launch
 from .._triton.decay import segment_to, suffix_sums
 from .._triton.window import (cursor_of, early_cursor, refresh_item, refresh_plan, refresh_program, slot_cursor,
                               slot_row, window_rows, window_scalars)
-from .._triton.formats import (anchor_rows, column, load_query, load_read, load_tile, matvec,
+from .._triton.formats import (anchor_rows, column, pin_vector_width, load_query, load_read, load_tile, matvec,
                                products_on_tensor_cores, write_checkpoint)
 
 
@@ -160,7 +160,8 @@ def _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_pt
                       rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, ra, HV, HK, L: tl.constexpr,
                       LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
                       A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
-                      SHARED: tl.constexpr, REFRESH_DOT: tl.constexpr, FROM_READ: tl.constexpr):
+                      SHARED: tl.constexpr, REFRESH_DOT: tl.constexpr, FROM_READ: tl.constexpr,
+                      PIN: tl.constexpr = False):
     """Refresh rows pid_v * BV ... of one head of storage row ``row`` (h committed entries,
     batch row ``pid_b``): by substitution on tensor cores (REFRESH_DOT) or token by token. FROM_READ:
     the step kernel's read-copy rows ``ra`` serve as the anchor's where they are the same values
@@ -181,6 +182,8 @@ def _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_pt
             S = anchor_rows(ra, av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT, R_FMT, SHARED)
         else:
             S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
+        if PIN:
+            pin_vector_width(av_ptr, mat, rv, ck, h < 0, DV, DK)
         S = _fold_tokens(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, khead, h, rv, HV, HK, L, DV, DK)
         # the seed and counter loaded after the fold: loaded before it, NVFP4 steps measured 10% slower
         write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
@@ -196,7 +199,7 @@ def _gdn_refresh_kernel(
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
         BV: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr,
         R_SR: tl.constexpr, SHARED: tl.constexpr, EARLY_CURSOR: tl.constexpr, REFRESH_DOT: tl.constexpr,
-        PERSISTENT: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr):
+        PERSISTENT: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr, PIN: tl.constexpr = False):
     """The refresh alone (the step kernel then runs with FUSED_REFRESH=False). PERSISTENT: a
     fixed number of programs loop over the row blocks of the refreshing slots only
     (``launch.refresh_grid``); otherwise one program per (row block, head, batch row), and those
@@ -210,7 +213,7 @@ def _gdn_refresh_kernel(
                                                       HV)
             _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr, av_ptr, as_ptr, ag_ptr,
                               rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, 0.0, HV, HK, L, LP, DV, DK, BV,
-                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, False)
+                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, False, PIN)
             w += tl.num_programs(0)
     else:
         pid_v, head, pid_b, row, h, need = refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T, L,
@@ -218,7 +221,7 @@ def _gdn_refresh_kernel(
         if need:
             _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr, av_ptr, as_ptr, ag_ptr,
                               rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, 0.0, HV, HK, L, LP, DV, DK, BV,
-                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, False)
+                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, False, PIN)
 
 
 @triton.jit
@@ -335,6 +338,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
                    cache.seeds, gram, *anchor, *read, buf["k"], buf["v"], buf["g"], buf["beta"], cache.scratch_row, HV,
                    HK, b, T=T, L=cache.window, LP=LP, DV=V, DK=cache.head_k_dim, BV=rbv, KC=kc, EARLY_CURSOR=early,
                    REFRESH_DOT=refresh_dot, PERSISTENT=persistent, BP=triton.next_power_of_2(b), num_warps=rwarps,
+                   PIN=launch.pin_vector_width(),
                    **consts)
     launch.run(
         _gdn_step_kernel, grid,
