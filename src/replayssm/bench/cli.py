@@ -259,7 +259,8 @@ def plots(report, out) -> None:
     except ImportError:
         print("matplotlib is not installed: plots skipped (pip install 'replayssm[plot]')")
         return
-    rows = [r for r in report["rows"] if r["mode"] != "-" and "speedup_vs_ours" in r]
+    # staggered windows only: an aligned or refresh-only row of the same point is another curve
+    rows = [r for r in report["rows"] if r["mode"] == "staggered" and "speedup_vs_ours" in r]
     views = [("batch", "speedup_vs_batch.png", lambda r: r["draft"] == 0 and r["window"] == 16),
              ("window", "speedup_vs_window.png", lambda r: r["draft"] == 0 and r["batch"] == 256),
              ("draft", "speedup_vs_draft.png", lambda r: r["draft"] > 0 and r["batch"] == 256)]
