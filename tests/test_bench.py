@@ -257,3 +257,18 @@ def test_verify_steps_take_their_draft_shape_only_where_the_refresh_is_split():
         assert shape("tp8_hi32", least) == step
     finally:
         launch.TUNING.clear()
+
+
+def test_shape_labels_read_every_switch():
+    """``launch.parse_shape``: the labels the sweeps and refresh_bits.py pass, flag by flag."""
+    pytest.importorskip("triton")
+    from replayssm._triton import launch
+
+    t = launch.parse_shape("64x4seonu/16x2@64")
+    assert (t["block_rows"], t["num_warps"], t["refresh_rows"], t["refresh_warps"], t["refresh_columns"]) == \
+        (64, 4, 16, 2, 64)
+    assert t["split_refresh"] and t["early_cursor"] and t["output_dot"] and not t["refresh_dot"]
+    assert t["fp_fusion"] is False and t["pin_vector_width"] is False
+    t = launch.parse_shape("32x1dpl")
+    assert t["refresh_dot"] and t["persistent_refresh"] and t["pdl"] and not t["split_refresh"]
+    assert "fp_fusion" not in t and "pin_vector_width" not in t  # the defaults then apply

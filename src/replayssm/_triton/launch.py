@@ -234,12 +234,13 @@ def parse_shape(text: str) -> dict:
     suffix ``d`` = refresh fold on tensor cores (else the token loop), ``s`` = split refresh (else
     fused), ``e`` = early cursor, ``o`` = outputs' read-copy products on tensor cores, ``p`` =
     persistent refresh launch, ``l`` = programmatic dependent launch (``programmatic``), ``n`` = no
-    contraction of a * b + c into fma by the compiler (``enable_fp_fusion=False``); after "/",
+    contraction of a * b + c into fma by the compiler (``enable_fp_fusion=False``), ``u`` = GDN
+    refresh unpinned (``pin_vector_width``); after "/",
     the refresh launch's rows x warps; after "@", the columns a Mamba-2 refresh folds at a time.
     E.g. "32x4dsep/16x2", "32x2dse@64", "32x2dsel"."""
     text, _, columns = text.partition("@")
     text, _, refresh = text.partition("/")
-    base = text.rstrip("dseopln")
+    base = text.rstrip("dseoplnu")
     rows, warps = map(int, base.split("x"))
     flags = text[len(base):]
     out = dict(block_rows=rows, num_warps=warps, refresh_dot="d" in flags, split_refresh="s" in flags,
@@ -247,6 +248,8 @@ def parse_shape(text: str) -> dict:
                pdl="l" in flags)
     if "n" in flags:
         out["fp_fusion"] = False
+    if "u" in flags:
+        out["pin_vector_width"] = False
     if refresh:  # "64x4s/16x2": the split refresh launch at 16 rows x 2 warps
         out["refresh_rows"], out["refresh_warps"] = map(int, refresh.split("x"))
     if columns:  # "32x2dse@64": a Mamba-2 refresh folds 64 columns at a time
