@@ -283,8 +283,8 @@ def _tile_rows(cache, rows: int) -> int:
 
 
 #: Step shapes of verify steps where they differ from ``SHAPES``: (arch, read format) -> (least
-#: draft length, rows, warps). GDN verify steps always refresh in their own launch
-#: (``SPLIT_MIN_DRAFT``), so the step's shape never touches the anchor. H200, batch 256, T=4 round,
+#: draft length, rows, warps). GDN steps always refresh in their own launch
+#: (``SPLIT_MIN_BATCH``), so the step's shape never touches the anchor. H200, batch 256, T=4 round,
 #: 64x4 -> 32x2: tp8_hi32 1315.9 -> 1135.6 us (s32_rs 1138.1 -> 1160.4, tp16_hi32 1085.8 -> 1100.8).
 DRAFT_SHAPES = {("gdn", "fp8_e4m3"): (4, 32, 2)}
 
@@ -394,11 +394,10 @@ def refresh_grid(device, grid: tuple) -> tuple[tuple, bool]:
 SPLIT_MIN_BATCH = {"mamba2": 16, "gdn": 1}
 
 #: Smallest draft length whose verify steps refresh in a launch of their own at any batch, by
-#: architecture (None: by batch only). GDN's fused refresh is a 64-row token loop inside the step
-#: kernel, whose latency bounds a small batch's step; a quarter of the slots refresh every round
-#: at T = 4. H200, T = 4 round, fused -> split: batch 1 GDN s32_rs 53.2 -> 49.0, tp8_hi32 49.1 ->
-#: 46.9 (tp16_hi32 50.6 -> 50.9); batch 8 122.7 -> 92.9, 106.7 -> 93.4, 101.9 -> 92.1.
-SPLIT_MIN_DRAFT = {"mamba2": None, "gdn": 4}
+#: architecture (None: by batch only). GDN had 4 (H200, T = 4 round, fused -> split: batch 1
+#: s32_rs 53.2 -> 49.0, tp8_hi32 49.1 -> 46.9; batch 8 122.7 -> 92.9, 106.7 -> 93.4, 101.9 -> 92.1)
+#: until it split at every batch (``SPLIT_MIN_BATCH``).
+SPLIT_MIN_DRAFT = {"mamba2": None, "gdn": None}
 
 
 def pin_vector_width() -> bool:
