@@ -20,13 +20,16 @@ from replayssm.bench.suite import Problem
 
 GEO = {"mamba2": "nemotron3-super", "gdn": "qwen35-122b"}
 EXTRA: dict = {}  # TUNING added to every configuration (--fp-fusion)
+DRAFT = 1  # tokens per step (--draft)
 SMALL = {"mamba2": (2, 64, 128, 1), "gdn": (1, 2, 128, 128)}  # --small: a CPU smoke run (TRITON_INTERPRET=1)
 
 
 def run(arch: str, preset: str, tuning: dict, dims, device, batch: int = 8, window: int = 16):
-    """Outputs of the refreshing step and the cache's state rows after it, under ``tuning``."""
+    """Outputs of the refreshing step and the cache's state rows after it, under ``tuning``: a
+    window of decode steps, or of verify rounds of DRAFT tokens all accepted (``--draft``)."""
     gen = torch.Generator(device=device).manual_seed(4)
-    p = Problem(arch, dims, batch, 1)
+    T = DRAFT
+    p = Problem(arch, dims, batch, T)
     prm = suite.make_params(p, device, gen)
     cache = suite.make_cache(p, batch, preset, window, 4, device)
     slots = torch.arange(batch, device=device)
@@ -34,9 +37,11 @@ def run(arch: str, preset: str, tuning: dict, dims, device, batch: int = 8, wind
     launch.TUNING.clear()
     launch.TUNING.update(tuning, **EXTRA)
     try:
-        for _ in range(window):
-            y = suite.replay_call(p, cache, slots, suite.make_inputs(p, device, gen), prm, False, "triton")
-        y = suite.replay_call(p, cache, slots, suite.make_inputs(p, device, gen), prm, False, "triton")  # refreshes all
+        accepted = torch.full((batch,), T, dtype=torch.int32, device=device)
+        for _ in range(window // T + 1):  # the last call refreshes every slot
+            y = suite.replay_call(p, cache, slots, suite.make_inputs(p, device, gen), prm, T > 1, "triton")
+            if T > 1:
+                cache.accept(slots, accepted)
     finally:
         launch.TUNING.clear()
     return y, {k: v[:batch] for k, v in cache.state_dict().items() if torch.is_tensor(v)}  # not the scratch row
@@ -60,9 +65,13 @@ def main():
                     help="off: every configuration compiled without the contraction of a * b + c into fma")
     ap.add_argument("--tuning", default="", metavar="LABEL",
                     help="--anchors: run every preset under this launch.parse_shape label instead of the defaults")
+    ap.add_argument("--draft", type=int, default=1,
+                    help="verify rounds of this many tokens, all accepted, instead of decode steps (a divisor "
+                         "of the window)")
     ap.add_argument("--small", action="store_true")
     args = ap.parse_args()
-    global EXTRA
+    global EXTRA, DRAFT
+    DRAFT = args.draft
     EXTRA = {} if args.fp_fusion == "default" else {"fp_fusion": False}
     device = "cpu" if args.small else "cuda"
     if args.step_shapes:
@@ -71,7 +80,7 @@ def main():
         return compare_anchors(args, device)
     for arch in args.arch.split(","):
         for preset in args.presets.split(","):
-            rows, warps, dot = launch.SHAPES[(arch, "fp32")]
+            rows, warps, dot, _ = launch.SHAPES[(arch, "fp32")]
             dot = {"default": dot, "on": True, "off": False}[args.refresh_dot]
             base = dict(block_rows=rows, num_warps=warps, refresh_dot=dot)
             # "split": at the default refresh shape (launch.REFRESH_SHAPES)

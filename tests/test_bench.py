@@ -117,7 +117,7 @@ def test_launch_shape_keeps_nvfp4_programs_on_whole_scale_blocks():
 
     for preset in ("s32_rs", "tp8_hi32", "tp4_hi16_sr", "f4_sr_rs"):
         cache = rs.Mamba2Cache(1, 2, 64, 128, ngroups=1, precision=preset, device="meta")
-        rows, warps, _ = launch.launch_shape(cache, "mamba2")
+        rows, warps, *_ = launch.launch_shape(cache, "mamba2")
         assert 64 % rows == 0 and rows >= 16 and warps >= 1
         if "4" in preset:  # an NVFP4 format: a program owns exactly one global-scale block
             assert rows == cache.row_block
@@ -235,26 +235,35 @@ def test_report_names_the_commit_given_by_replayssm_commit(monkeypatch):
 
 
 def test_verify_steps_take_their_draft_shape_only_where_the_refresh_is_split():
-    """``launch.DRAFT_SHAPES``: a GDN fp8 verify step of T >= 4 runs at its own shape (its refresh
-    is always a launch of its own, so the anchor never sees that shape); decode steps, other
-    formats and a forced fused refresh keep ``SHAPES``."""
+    """``launch.DRAFT_SHAPES``: a GDN verify step of T >= least runs at its own rows and warps (its
+    refresh is always a launch of its own, so the anchor never sees that shape), shorter steps and
+    a forced fused refresh keep ``SHAPES``; the read-copy pin follows the draft length at any batch
+    (Mamba-2 s32_rs: unpinned decode, pinned verify steps, fused refresh or not)."""
     pytest.importorskip("triton")
     import replayssm as rs
     from replayssm._triton import launch
 
-    def shape(preset, T):
+    gdn_presets = {"fp32": "s32_rs", "fp16": "tp16_hi32", "bf16": "tpbf16_hi32", "fp8_e4m3": "tp8_hi32"}
+    for fmt, preset in gdn_presets.items():
         cache = rs.GDNCache(1, 2, 4, 128, 128, precision=preset, device="meta")
-        return launch.launch_shape(cache, "gdn", T)[:2]
-
-    least, *draft = launch.DRAFT_SHAPES[("gdn", "fp8_e4m3")]
-    step = launch.SHAPES[("gdn", "fp8_e4m3")][:2]
-    assert tuple(draft) != step
-    assert shape("tp8_hi32", least) == tuple(draft)
-    assert shape("tp8_hi32", 1) == step and shape("tp8_hi32", least - 1) == step
-    assert shape("s32_rs", least) == launch.SHAPES[("gdn", "fp32")][:2]
+        least, rows, warps, pin = launch.DRAFT_SHAPES[("gdn", fmt)]
+        step = launch.SHAPES[("gdn", fmt)]
+        assert launch.launch_shape(cache, "gdn", least) == (rows, warps, step[2], pin)
+        assert launch.launch_shape(cache, "gdn", 1) == step == launch.launch_shape(cache, "gdn", least - 1)
+        try:
+            launch.TUNING["split_refresh"] = False  # a fused refresh would fold at the step's shape
+            assert launch.launch_shape(cache, "gdn", least)[:2] == step[:2]
+        finally:
+            launch.TUNING.clear()
+    cache = rs.Mamba2Cache(1, 2, 64, 128, ngroups=1, precision="s32_rs", device="meta")
+    least, *_, pin = launch.DRAFT_SHAPES[("mamba2", "fp32")]
+    assert launch.launch_shape(cache, "mamba2", 1)[3] == launch.SHAPES[("mamba2", "fp32")][3] != pin
     try:
-        launch.TUNING["split_refresh"] = False  # a fused refresh would fold at the step's shape
-        assert shape("tp8_hi32", least) == step
+        for fused in (False, True):
+            launch.TUNING["split_refresh"] = not fused
+            assert launch.launch_shape(cache, "mamba2", least)[3] == pin
+        launch.TUNING["step_pin"] = 0
+        assert launch.launch_shape(cache, "mamba2", least)[3] == 0
     finally:
         launch.TUNING.clear()
 
@@ -264,11 +273,12 @@ def test_shape_labels_read_every_switch():
     pytest.importorskip("triton")
     from replayssm._triton import launch
 
-    t = launch.parse_shape("64x4seonu/16x2@64")
-    assert (t["block_rows"], t["num_warps"], t["refresh_rows"], t["refresh_warps"], t["refresh_columns"]) == \
-        (64, 4, 16, 2, 64)
+    t = launch.parse_shape("64x4seonuv8/16x2@64")
+    assert (t["block_rows"], t["num_warps"], t["refresh_rows"], t["refresh_warps"], t["refresh_columns"],
+            t["step_pin"]) == (64, 4, 16, 2, 64, 8)
     assert t["split_refresh"] and t["early_cursor"] and t["output_dot"] and not t["refresh_dot"]
     assert t["fp_fusion"] is False and t["pin_vector_width"] is False
     t = launch.parse_shape("32x1dpl")
     assert t["refresh_dot"] and t["persistent_refresh"] and t["pdl"] and not t["split_refresh"]
-    assert "fp_fusion" not in t and "pin_vector_width" not in t  # the defaults then apply
+    assert "fp_fusion" not in t and "pin_vector_width" not in t and "step_pin" not in t  # the defaults apply
+    assert launch.parse_shape("32x1dsev0")["step_pin"] == 0

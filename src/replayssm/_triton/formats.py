@@ -89,15 +89,21 @@ def load_tile(v_ptr, s_ptr, g_ptr, mat, gidx, rv, ck, DV: tl.constexpr, DK: tl.c
 
 
 @triton.jit
-def pin_vector_width(ptr, mat, rv, ck, never, DV: tl.constexpr, DK: tl.constexpr):
-    """A store of one-byte zeros shaped like the state tile [BV, BK] that never happens (``never``
-    is false at run time but unknown to the compiler). Triton vectorizes a load as widely as the
-    widest access of the same shape in its data-flow slice, so the anchor tile's load, and the
-    layout of the fold computed from it, otherwise follow the read format (fp32: 4 elements per
-    thread, fp16: 8, fp8: 16) and the fold's row reductions sum in a format-dependent order. With
-    this store in the slice every format loads 16 per thread."""
+def pin_vector_width(ptr, mat, rv, ck, never, DV: tl.constexpr, DK: tl.constexpr, PER_THREAD: tl.constexpr = 16):
+    """A store of zeros shaped like the state tile [BV, BK] that never happens (``never`` is false
+    at run time but unknown to the compiler), 16 bytes per PER_THREAD elements (16: int8, 8:
+    int16, 4: int32). Triton vectorizes a load as widely as the widest access of the same shape in
+    its data-flow slice, so a state tile's load, and the layout of what is computed from it,
+    otherwise follow the widest format in the kernel (fp32: 4 elements per thread, fp16: 8, fp8:
+    16) and row reductions sum in a format-dependent order. With this store in the slice the tile
+    loads at least PER_THREAD elements per thread."""
     at = (mat * DV + rv[:, None]) * DK + ck[None, :]
-    tl.store(ptr.to(tl.pointer_type(tl.int8)) + at, tl.zeros(at.shape, tl.int8), mask=never)
+    if PER_THREAD == 16:
+        tl.store(ptr.to(tl.pointer_type(tl.int8)) + at, tl.zeros(at.shape, tl.int8), mask=never)
+    elif PER_THREAD == 8:
+        tl.store(ptr.to(tl.pointer_type(tl.int16)) + at, tl.zeros(at.shape, tl.int16), mask=never)
+    else:
+        tl.store(ptr.to(tl.pointer_type(tl.int32)) + at, tl.zeros(at.shape, tl.int32), mask=never)
 
 
 @triton.jit

@@ -199,34 +199,46 @@ def check_geometry(cache):
 #: Launch-shape overrides, for benchmark sweeps: {"block_rows": int, "num_warps": int,
 #: "refresh_dot": bool, "split_refresh": bool, "early_cursor": bool, "output_dot": bool,
 #: "refresh_rows": int, "refresh_warps": int, "persistent_refresh": bool, "refresh_columns": int,
-#: "pdl": bool, "fp_fusion": bool, "pin_vector_width": bool};
+#: "pdl": bool, "fp_fusion": bool, "pin_vector_width": bool, "step_pin": int};
 #: ``parse_shape`` reads them from a label. Each default is the faster one measured
 #: (BENCHMARKS.md) among those that keep the anchor's bits: ``early_cursor`` on (``cursor_args``),
 #: ``output_dot`` by draft length (``OUTPUT_DOT_MIN_DRAFT``), ``refresh_dot`` off for GDN
 #: (``SHAPES``), ``persistent_refresh`` off (``refresh_grid``).
 TUNING: dict = {}
 
-#: (rows of a head per program, warps per program, refresh fold on tensor cores) by
-#: architecture and read-copy format: the fastest measured on an H200 at batch 256, staggered
-#: windows, real geometries, split refresh (benchmarks/sweep_shapes.py; BENCHMARKS.md has the
-#: sweeps), among folds whose anchor bits do not depend on the read format (DESIGN §3: changing
-#: the read precision leaves the anchor bit-identical; the GPU checks it, BENCHMARKS.md). Mamba-2
-#: folds with one tensor-core product per 32 columns (same anchor bits for every preset on the
-#: H200). GDN runs the token loop: its substitution form on tensor cores
-#: (``gdn.triton._refresh_by_substitution``, ``TUNING["refresh_dot"]``) is faster for element-wise
-#: read copies (staggered s32_rs 477 -> 442 us, tp8_hi32 435 -> 409), but its anchor bits depend on
-#: the tile shape on the GPU, and an NVFP4 read copy forces 32-row tiles: tp4_hi32's anchor then
-#: differed from s32_rs's by up to 1.9e-7. NVFP4 rows are one row block. Mamba-2 runs one warp per
-#: 32 rows: its row reductions then stay inside a warp, and a verify step's T output passes no longer
-#: convert layouts across warps (H200, batch 256, staggered, us per step or round, 32x2 -> 32x1:
-#: T=1 s32_rs 358.3 -> 347.1, tp16_hi32 261.1 -> 251.6, tp8_hi32 270.4 -> 246.0; T=2 557 -> 480;
-#: T=4 944 -> 770, 925 -> 693, 918 -> 738; T=8 2448 -> 1402).
-SHAPES = {("mamba2", "fp32"): (32, 1, True), ("mamba2", "fp16"): (32, 1, True),
-          ("mamba2", "bf16"): (32, 1, True), ("mamba2", "fp8_e4m3"): (32, 1, True),
-          ("mamba2", "nvfp4"): (32, 4, True),
-          ("gdn", "fp32"): (64, 4, False), ("gdn", "fp16"): (64, 4, False),
-          ("gdn", "bf16"): (64, 4, False), ("gdn", "fp8_e4m3"): (64, 4, False),
-          ("gdn", "nvfp4"): (32, 4, False)}
+#: (rows of a head per program, warps per program, refresh fold on tensor cores, elements per
+#: thread pinned on the step's read-copy load) by architecture and read-copy format: the fastest
+#: measured on an H200 at batch 256, staggered windows, real geometries, split refresh
+#: (benchmarks/sweep_shapes.py; BENCHMARKS.md has the sweeps), among folds whose anchor bits do
+#: not depend on the read format (DESIGN §3: changing the read precision leaves the anchor
+#: bit-identical; the GPU checks it, BENCHMARKS.md). Mamba-2 folds with one tensor-core product
+#: per 32 columns (same anchor bits for every preset on the H200). GDN runs the token loop: its
+#: substitution form on tensor cores (``gdn.triton._refresh_by_substitution``,
+#: ``TUNING["refresh_dot"]``) is faster for element-wise read copies (staggered s32_rs 477 -> 442
+#: us, tp8_hi32 435 -> 409), but its anchor bits depend on the tile shape on the GPU, and an NVFP4
+#: read copy forces 32-row tiles: tp4_hi32's anchor then differed from s32_rs's by up to 1.9e-7.
+#: NVFP4 rows are one row block.
+#:
+#: Steps run one warp per 32 rows: row reductions then stay inside a warp, and a verify step's T
+#: output passes no longer convert layouts across warps (H200, batch 256, staggered, us per step
+#: or round, Mamba-2 32x2 -> 32x1: T=1 s32_rs 358.3 -> 347.1, tp16_hi32 261.1 -> 251.6, tp8_hi32
+#: 270.4 -> 246.0; T=4 944 -> 770, 925 -> 693, 918 -> 738; GDN 64x4 -> 32x1: s32_rs 462.0 ->
+#: 447.1 pinned, tp16_hi32 486.5 -> 418.3 pinned, tp8_hi32 435.8 -> 364.4).
+#:
+#: The pin (``formats.pin_vector_width``; 0 = none) exists because Triton loads an fp32 tile 4
+#: elements per thread and an fp16 tile 8, spreading a 128-wide row over a whole warp, so every
+#: row reduction of a read-copy product ends in 5 rounds of shuffles; at 16 per thread, 3 (ptxas,
+#: Mamba-2 T=4 s32_rs step: 3552 -> 2240 SASS instructions, 760 -> 216 shuffles). H200, batch 256,
+#: us, unpinned -> pinned: Mamba-2 tp16_hi32 252.0 -> 243.0, tpbf16_hi32 251.3 -> 244.5, but
+#: s32_rs 345.1 -> 356.2 (decode: its verify steps pin, ``DRAFT_SHAPES``); GDN 32x1 s32_rs 480.6
+#: -> 447.1, tp16_hi32 422.9 -> 418.3 (8; 16: 430.3), tpbf16_hi32 421.2 -> 414.9. fp8 and NVFP4
+#: read copies load in shapes of their own, which the pin does not touch.
+SHAPES = {("mamba2", "fp32"): (32, 1, True, 0), ("mamba2", "fp16"): (32, 1, True, 16),
+          ("mamba2", "bf16"): (32, 1, True, 16), ("mamba2", "fp8_e4m3"): (32, 1, True, 0),
+          ("mamba2", "nvfp4"): (32, 4, True, 0),
+          ("gdn", "fp32"): (32, 1, False, 16), ("gdn", "fp16"): (32, 1, False, 8),
+          ("gdn", "bf16"): (32, 1, False, 16), ("gdn", "fp8_e4m3"): (32, 1, False, 0),
+          ("gdn", "nvfp4"): (32, 4, False, 0)}
 
 
 def parse_shape(text: str) -> dict:
@@ -235,11 +247,13 @@ def parse_shape(text: str) -> dict:
     fused), ``e`` = early cursor, ``o`` = outputs' read-copy products on tensor cores, ``p`` =
     persistent refresh launch, ``l`` = programmatic dependent launch (``programmatic``), ``n`` = no
     contraction of a * b + c into fma by the compiler (``enable_fp_fusion=False``), ``u`` = GDN
-    refresh unpinned (``pin_vector_width``); after "/",
+    refresh unpinned (``pin_vector_width``); then "v" and a number: the step's read-copy load
+    pinned to that many elements per thread (``SHAPES``; "v0": unpinned); after "/",
     the refresh launch's rows x warps; after "@", the columns a Mamba-2 refresh folds at a time.
-    E.g. "32x4dsep/16x2", "32x2dse@64", "32x2dsel"."""
+    E.g. "32x4dsep/16x2", "32x2dse@64", "32x2dsel", "32x1sev16/16x2"."""
     text, _, columns = text.partition("@")
     text, _, refresh = text.partition("/")
+    text, _, step_pin = text.partition("v")
     base = text.rstrip("dseoplnu")
     rows, warps = map(int, base.split("x"))
     flags = text[len(base):]
@@ -250,6 +264,8 @@ def parse_shape(text: str) -> dict:
         out["fp_fusion"] = False
     if "u" in flags:
         out["pin_vector_width"] = False
+    if step_pin:  # "32x1dsev16": the step kernel's read-copy tile loads >= 16 elements per thread
+        out["step_pin"] = int(step_pin)
     if refresh:  # "64x4s/16x2": the split refresh launch at 16 rows x 2 warps
         out["refresh_rows"], out["refresh_warps"] = map(int, refresh.split("x"))
     if columns:  # "32x2dse@64": a Mamba-2 refresh folds 64 columns at a time
@@ -283,23 +299,31 @@ def _tile_rows(cache, rows: int) -> int:
 
 
 #: Step shapes of verify steps where they differ from ``SHAPES``: (arch, read format) -> (least
-#: draft length, rows, warps). GDN steps always refresh in their own launch
-#: (``SPLIT_MIN_BATCH``), so the step's shape never touches the anchor. H200, batch 256, T=4 round,
-#: 64x4 -> 32x2: tp8_hi32 1315.9 -> 1135.6 us (s32_rs 1138.1 -> 1160.4, tp16_hi32 1085.8 -> 1100.8).
-DRAFT_SHAPES = {("gdn", "fp8_e4m3"): (4, 32, 2)}
+#: draft length, rows, warps, pin). The rows and warps apply only where the refresh is split (GDN:
+#: always, ``SPLIT_MIN_BATCH``), so a step's shape never touches the anchor. The pin applies at
+#: any batch: with it the fused and split refreshes still give the same bits (H200,
+#: benchmarks/refresh_bits.py --draft 4). H200, batch 256, us per round: GDN T=4 reads through
+#: tensor cores (``output_dot``) and is fastest at 64x4 unpinned (s32_rs 1078.9, tp16_hi32 1131.3
+#: against 1144.4 pinned), fp8 at 32x2 (64x4 -> 32x2: 1315.9 -> 1135.6); Mamba-2 s32_rs pinned
+#: at 16: T=2 480.4 -> 461.5, T=4 780.0 -> 700.5, T=8 1407.5 -> 1207.8.
+DRAFT_SHAPES = {("mamba2", "fp32"): (2, 32, 1, 16),
+                ("gdn", "fp32"): (4, 64, 4, 0), ("gdn", "fp16"): (4, 64, 4, 0), ("gdn", "bf16"): (4, 64, 4, 0),
+                ("gdn", "fp8_e4m3"): (4, 32, 2, 0)}
 
 
-def launch_shape(cache, arch: str, T: int = 1) -> tuple[int, int, bool]:
-    """(rows of a head per program, warps per program, refresh on tensor cores) for a step of T
-    tokens of ``cache`` (``SHAPES``, ``DRAFT_SHAPES``, ``TUNING`` over them, rows as ``_tile_rows``
-    allows)."""
+def launch_shape(cache, arch: str, T: int = 1) -> tuple[int, int, bool, int]:
+    """(rows of a head per program, warps per program, refresh on tensor cores, elements per
+    thread pinned on the step's read-copy load or 0) for a step of T tokens of ``cache``
+    (``SHAPES``, ``DRAFT_SHAPES``, ``TUNING`` over them, rows as ``_tile_rows`` allows)."""
     fmt = cache.precision.read_format.name
-    rows, warps, dot = SHAPES[(arch, fmt)]
-    least, *shape = DRAFT_SHAPES.get((arch, fmt), (None, rows, warps))
-    if least is not None and T >= least and split_refresh(arch, 1, T):
-        rows, warps = shape
+    rows, warps, dot, pin = SHAPES[(arch, fmt)]
+    least, draft_rows, draft_warps, draft_pin = DRAFT_SHAPES.get((arch, fmt), (None, rows, warps, pin))
+    if least is not None and T >= least:
+        pin = draft_pin
+        if split_refresh(arch, 1, T):
+            rows, warps = draft_rows, draft_warps
     rows = _tile_rows(cache, TUNING.get("block_rows", rows))
-    return rows, TUNING.get("num_warps", warps), TUNING.get("refresh_dot", dot)
+    return rows, TUNING.get("num_warps", warps), TUNING.get("refresh_dot", dot), TUNING.get("step_pin", pin)
 
 
 #: (rows, warps) per program of the split refresh launch, by architecture, where it differs from

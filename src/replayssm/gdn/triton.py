@@ -235,7 +235,7 @@ def _gdn_step_kernel(
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, FUSED_REFRESH: tl.constexpr, EARLY_CURSOR: tl.constexpr, OUTPUT_DOT: tl.constexpr,
-        QP: tl.constexpr, REFRESH_DOT: tl.constexpr, PDL: tl.constexpr):
+        QP: tl.constexpr, REFRESH_DOT: tl.constexpr, PDL: tl.constexpr, STEP_PIN: tl.constexpr = 0):
     after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -252,6 +252,8 @@ def _gdn_step_kernel(
     # load so that the two latencies overlap; a refreshing program replaces it below
     ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
     h, need = cursor_of(committed_ptr, h_early, valid, row, T, L, EARLY_CURSOR)
+    if STEP_PIN:
+        pin_vector_width(rv_ptr, mat, rv, ck, h < 0, DV, DK, STEP_PIN)
 
     if FUSED_REFRESH:
         if need:  # refresh: re-solve the committed residuals from the anchor
@@ -315,7 +317,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     anchor, read, consts = launch.format_args(cache)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     o = torch.empty(b, T, HV, V, dtype=torch.float32, device=v.device)
-    bv, warps, refresh_dot = launch.launch_shape(cache, "gdn", T)
+    bv, warps, refresh_dot, pin = launch.launch_shape(cache, "gdn", T)
     split = launch.split_refresh("gdn", b, T)
     buf = cache.buffer
     LP = max(16, triton.next_power_of_2(cache.window))
@@ -348,7 +350,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
         T=T, L=cache.window, LP=LP, DV=V,
         DK=cache.head_k_dim, BV=bv, KC=kc, FUSED_REFRESH=not split, EARLY_CURSOR=early,
         OUTPUT_DOT=launch.output_dot(cache, "gdn", T), QP=max(16, triton.next_power_of_2(2 * T)),
-        REFRESH_DOT=refresh_dot,
+        REFRESH_DOT=refresh_dot, STEP_PIN=pin,
         num_warps=warps, **consts)
     launch.advance(cache, slots, T, commit, {"k": k, "g": g, "beta": beta})
     return o

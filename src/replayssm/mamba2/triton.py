@@ -28,8 +28,8 @@ from .._triton.launch import after_previous_launch
 from .._triton.decay import segment_to, suffix_sums
 from .._triton.window import (cursor_of, early_cursor, refresh_item, refresh_plan, refresh_program, slot_cursor,
                               slot_row, window_rows, window_scalars)
-from .._triton.formats import (column, load_query, load_read, load_tile, matvec, products_on_tensor_cores,
-                               write_checkpoint)
+from .._triton.formats import (column, load_query, load_read, load_tile, matvec, pin_vector_width,
+                               products_on_tensor_cores, write_checkpoint)
 
 
 
@@ -170,7 +170,7 @@ def _mamba2_step_kernel(
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, REFRESH_DOT: tl.constexpr,
         FUSED_REFRESH: tl.constexpr, EARLY_CURSOR: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr,
-        PDL: tl.constexpr):
+        PDL: tl.constexpr, STEP_PIN: tl.constexpr = 0):
     after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -187,6 +187,8 @@ def _mamba2_step_kernel(
     # load so that the two latencies overlap; a refreshing program replaces it below
     ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
     h, need = cursor_of(committed_ptr, h_early, valid, row, T, L, EARLY_CURSOR)
+    if STEP_PIN:
+        pin_vector_width(rv_ptr, mat, rv, ck, h < 0, DV, DK, STEP_PIN)
 
     if FUSED_REFRESH:
         if need:  # refresh: fold the h committed entries into a new checkpoint, from the anchor
@@ -247,7 +249,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
     z = None if z is None else z.contiguous()
     y = torch.empty(b, T, H, P, dtype=torch.float32, device=x.device)
-    bv, warps, refresh_dot = launch.launch_shape(cache, "mamba2", T)
+    bv, warps, refresh_dot, pin = launch.launch_shape(cache, "mamba2", T)
     split = launch.split_refresh("mamba2", b, T)
     kc = launch.refresh_columns(cache)
     buf = cache.buffer
@@ -281,7 +283,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
         DK=cache.dstate, BV=bv, KC=kc, HAS_D=D is not None, HAS_Z=z is not None,
         REFRESH_DOT=refresh_dot, FUSED_REFRESH=not split, EARLY_CURSOR=early,
         OUTPUT_DOT=launch.output_dot(cache, "mamba2", T), QP=max(16, triton.next_power_of_2(T)),
-        num_warps=warps,
+        STEP_PIN=pin, num_warps=warps,
         **consts)
     launch.advance(cache, slots, T, commit, {"dt": dt, "log_alpha": log_alpha, "B": B})
     return y
