@@ -217,9 +217,10 @@ TUNING: dict = {}
 #: ``TUNING["refresh_dot"]``) is faster for element-wise read copies (staggered s32_rs 477 -> 442
 #: us, tp8_hi32 435 -> 409), but its anchor bits depend on the tile shape on the GPU, and an NVFP4
 #: read copy forces 32-row tiles: tp4_hi32's anchor then differed from s32_rs's by up to 1.9e-7.
-#: NVFP4 rows are one row block.
+#: NVFP4 rows are one row block, at 4 warps: one warp cannot hide the nibble decoding (32x4 ->
+#: 32x1, tp4_hi16_sr: Mamba-2 443.7 -> 851.5 us, GDN 554.4 -> 997.4).
 #:
-#: Steps run one warp per 32 rows: row reductions then stay inside a warp, and a verify step's T
+#: Other steps run one warp per 32 rows: row reductions then stay inside a warp, and a verify step's T
 #: output passes no longer convert layouts across warps (H200, batch 256, staggered, us per step
 #: or round, Mamba-2 32x2 -> 32x1: T=1 s32_rs 358.3 -> 347.1, tp16_hi32 261.1 -> 251.6, tp8_hi32
 #: 270.4 -> 246.0; T=4 944 -> 770, 925 -> 693, 918 -> 738; GDN 64x4 -> 32x1: s32_rs 462.0 ->
