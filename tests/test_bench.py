@@ -226,6 +226,33 @@ def test_read_precision_leaves_the_anchors_operations_unchanged(tmp_path, arch, 
     assert verdicts == ({"same"} if pinned else {"DIFFER"}), out.stdout
 
 
+@pytest.mark.parametrize("arch, draft", [("mamba2", 4), ("gdn", 1)])
+def test_step_pin_shortens_the_read_copy_reductions(tmp_path, arch, draft):
+    """``launch.SHAPES`` / ``DRAFT_SHAPES`` pin these steps' read-copy load to 16 elements per
+    thread (``formats.pin_vector_width``) so that a row reduction takes fewer shuffles: compiled for
+    sm_90 as on the GPU, the pinned step kernel has fewer SHFL instructions than with the pin off
+    (``TUNING["step_pin"] = 0``). Fails if the kernel ignores STEP_PIN."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real compile
+    env["PYTHONPATH"] = os.path.join(root, "src")
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    shuffles = []
+    for tuning in ([], ["--tuning", "step_pin=0"]):
+        out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "ptxas_report.py"), "--arch", arch,
+                              "--presets", "s32_rs", "--batch", "256", "--draft", str(draft), *tuning],
+                             capture_output=True, text=True, env=env, timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        row = [line.split() for line in out.stdout.splitlines() if "_step_kernel" in line]
+        assert len(row) == 1, out.stdout
+        shuffles.append(int(row[0][-1]))
+    assert shuffles[0] < shuffles[1], shuffles
+
+
 def test_report_names_the_commit_given_by_replayssm_commit(monkeypatch):
     """A device machine's copy of the tree may carry a stale .git: REPLAYSSM_COMMIT wins over git."""
     monkeypatch.setenv("REPLAYSSM_COMMIT", "0123abc")
