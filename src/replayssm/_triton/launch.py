@@ -249,7 +249,8 @@ def parse_shape(text: str) -> dict:
     persistent refresh launch, ``l`` = programmatic dependent launch (``programmatic``), ``n`` = no
     contraction of a * b + c into fma by the compiler (``enable_fp_fusion=False``), ``u`` = GDN
     refresh unpinned (``pin_vector_width``); then "v" and a number: the step's read-copy load
-    pinned to that many elements per thread (``SHAPES``; "v0": unpinned); after "/",
+    pinned to that many elements per thread ("v0": unpinned; without "v", the pin of ``SHAPES``
+    or ``DRAFT_SHAPES`` for the preset and draft length); after "/",
     the refresh launch's rows x warps; after "@", the columns a Mamba-2 refresh folds at a time.
     E.g. "32x4dsep/16x2", "32x2dse@64", "32x2dsel", "32x1sev16/16x2"."""
     text, _, columns = text.partition("@")
