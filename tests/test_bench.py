@@ -1,10 +1,29 @@
 """`replayssm bench` on the CPU: argument handling, the no-GPU path, the traffic and memory
 arithmetic, and the correctness gate (which must refuse a broken kernel)."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from replayssm.bench import GEOMETRIES, Problem
 from replayssm.bench import cli as bench
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PTXAS_REPORT = os.path.join(ROOT, "benchmarks", "ptxas_report.py")
+
+
+def _compile_for_sm90(tmp_path, *args) -> str:
+    """stdout of ``python args...`` with a real Triton compile (no interpreter), src on the path and
+    a fresh Triton cache: how these CPU tests see the kernels as built for an H100/H200."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.join(ROOT, "src")
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
 
 
 def test_without_gpu_it_says_so_and_exits_nonzero(capsys):
@@ -133,18 +152,8 @@ def test_ptxas_report_compiles_the_step_kernels_for_sm90(tmp_path):
     """benchmarks/ptxas_report.py records a step's launches on the CPU and compiles them for an
     H100/H200; the default fp32 shapes must assemble without register spills."""
     pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real compile
-    env["PYTHONPATH"] = os.path.join(root, "src")
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "ptxas_report.py"), "--presets", "s32_rs"],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = [line.split() for line in out.stdout.splitlines() if "_step_kernel" in line]
+    stdout = _compile_for_sm90(tmp_path, PTXAS_REPORT, "--presets", "s32_rs")
+    rows = [line.split() for line in stdout.splitlines() if "_step_kernel" in line]
     assert {r[0] for r in rows} == {"mamba2", "gdn"}
     for arch, preset, shape, kernel, regs, spills, stack, smem, sass, shfl in rows:
         assert 0 < int(regs) <= 255 and spills == "0/0", (arch, regs, spills)
@@ -172,21 +181,11 @@ def test_programmatic_launch_waits_before_any_memory_access(tmp_path):
     sm_90 rather than run) a kernel may start before the previous launch of the step has
     finished: every kernel must wait for it before its first global load. Without it, no wait."""
     pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-
     from replayssm._triton import launch
 
     assert not launch.programmatic(torch.arange(2))  # never on the CPU
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real compile
-    env["PYTHONPATH"] = os.path.join(root, "src")
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    out = subprocess.run([sys.executable, "-c", PDL_SCRIPT, os.path.join(root, "benchmarks")], capture_output=True,
-                         text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = [line.split() for line in out.stdout.splitlines()]
+    stdout = _compile_for_sm90(tmp_path, "-c", PDL_SCRIPT, os.path.join(ROOT, "benchmarks"))
+    rows = [line.split() for line in stdout.splitlines()]
     assert len(rows) == 8, rows  # scores (twice), refresh and step kernels of both architectures
     for arch, name, pdl, waits_first, count in rows:
         if pdl == "True":
@@ -206,24 +205,13 @@ def test_read_precision_leaves_the_anchors_operations_unchanged(tmp_path, arch, 
     (``launch.pin_vector_width``), GDN's token-loop fold follows the read copy's vector width and
     must differ: the failure the H200 showed (BENCHMARKS.md, seventh session)."""
     pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real compile
-    env["PYTHONPATH"] = os.path.join(root, "src")
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "ptxas_report.py"), "--anchor-ops",
-                          "--arch", arch, "--presets", "s32_rs,tp16_hi32,tp8_hi32",
-                          "--tuning", f"pin_vector_width={int(pinned)}"], capture_output=True, text=True, env=env,
-                         timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("anchor-ops")]
+    stdout = _compile_for_sm90(tmp_path, PTXAS_REPORT, "--anchor-ops", "--arch", arch, "--presets",
+                               "s32_rs,tp16_hi32,tp8_hi32", "--tuning", f"pin_vector_width={int(pinned)}")
+    rows = [line.split() for line in stdout.splitlines() if line.startswith("anchor-ops")]
     # 2 read formats x (Mamba-2: the split refresh and the fused step kernel; GDN: always split)
-    assert len(rows) == (4 if arch == "mamba2" else 2), out.stdout
+    assert len(rows) == (4 if arch == "mamba2" else 2), stdout
     verdicts = {row[6] for row in rows}
-    assert verdicts == ({"same"} if pinned else {"DIFFER"}), out.stdout
+    assert verdicts == ({"same"} if pinned else {"DIFFER"}), stdout
 
 
 @pytest.mark.parametrize("arch, draft", [("mamba2", 4), ("gdn", 1)])
@@ -233,22 +221,12 @@ def test_step_pin_shortens_the_read_copy_reductions(tmp_path, arch, draft):
     sm_90 as on the GPU, the pinned step kernel has fewer SHFL instructions than with the pin off
     (``TUNING["step_pin"] = 0``). Fails if the kernel ignores STEP_PIN."""
     pytest.importorskip("triton")
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # a real compile
-    env["PYTHONPATH"] = os.path.join(root, "src")
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
     shuffles = []
     for tuning in ([], ["--tuning", "step_pin=0"]):
-        out = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "ptxas_report.py"), "--arch", arch,
-                              "--presets", "s32_rs", "--batch", "256", "--draft", str(draft), *tuning],
-                             capture_output=True, text=True, env=env, timeout=600)
-        assert out.returncode == 0, out.stderr[-2000:]
-        row = [line.split() for line in out.stdout.splitlines() if "_step_kernel" in line]
-        assert len(row) == 1, out.stdout
+        stdout = _compile_for_sm90(tmp_path, PTXAS_REPORT, "--arch", arch, "--presets", "s32_rs", "--batch", "256",
+                                   "--draft", str(draft), *tuning)
+        row = [line.split() for line in stdout.splitlines() if "_step_kernel" in line]
+        assert len(row) == 1, stdout
         shuffles.append(int(row[0][-1]))
     assert shuffles[0] < shuffles[1], shuffles
 
