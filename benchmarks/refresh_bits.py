@@ -80,7 +80,7 @@ def main():
         return compare_anchors(args, device)
     for arch in args.arch.split(","):
         for preset in args.presets.split(","):
-            rows, warps, dot, _ = launch.SHAPES[(arch, "fp32")]
+            rows, warps, dot, *_ = launch.SHAPES[(arch, "fp32")]
             dot = {"default": dot, "on": True, "off": False}[args.refresh_dot]
             base = dict(block_rows=rows, num_warps=warps, refresh_dot=dot)
             # "split": at the default refresh shape (launch.REFRESH_SHAPES)

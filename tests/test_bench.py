@@ -251,9 +251,9 @@ def test_verify_steps_take_their_draft_shape_only_where_the_refresh_is_split():
     gdn_presets = {"fp32": "s32_rs", "fp16": "tp16_hi32", "bf16": "tpbf16_hi32", "fp8_e4m3": "tp8_hi32"}
     for fmt, preset in gdn_presets.items():
         cache = rs.GDNCache(1, 2, 4, 128, 128, precision=preset, device="meta")
-        least, rows, warps, pin = launch.DRAFT_SHAPES[("gdn", fmt)]
+        (least, rows, warps, pin, loads), = launch.DRAFT_SHAPES[("gdn", fmt)]
         step = launch.SHAPES[("gdn", fmt)]
-        assert launch.launch_shape(cache, "gdn", least) == (rows, warps, step[2], pin)
+        assert launch.launch_shape(cache, "gdn", least) == (rows, warps, step[2], pin, loads)
         assert launch.launch_shape(cache, "gdn", 1) == step == launch.launch_shape(cache, "gdn", least - 1)
         try:
             launch.TUNING["split_refresh"] = False  # a fused refresh would fold at the step's shape
@@ -261,8 +261,13 @@ def test_verify_steps_take_their_draft_shape_only_where_the_refresh_is_split():
         finally:
             launch.TUNING.clear()
     cache = rs.Mamba2Cache(1, 2, 64, 128, ngroups=1, precision="s32_rs", device="meta")
-    least, *_, pin = launch.DRAFT_SHAPES[("mamba2", "fp32")]
+    (least, *_, pin, loads), = launch.DRAFT_SHAPES[("mamba2", "fp32")]
     assert launch.launch_shape(cache, "mamba2", 1)[3] == launch.SHAPES[("mamba2", "fp32")][3] != pin
+    assert launch.launch_shape(cache, "mamba2", 1)[4] == launch.SHAPES[("mamba2", "fp32")][4] != loads
+    fp8 = rs.Mamba2Cache(1, 2, 64, 128, ngroups=1, precision="tp8_hi32", device="meta")
+    (least, *_, loads), (later, *_, later_loads) = launch.DRAFT_SHAPES[("mamba2", "fp8_e4m3")]
+    assert launch.launch_shape(fp8, "mamba2", later - 1)[4] == loads != later_loads  # the last entry that applies
+    assert launch.launch_shape(fp8, "mamba2", later + 4)[4] == later_loads
     try:
         for fused in (False, True):
             launch.TUNING["split_refresh"] = not fused
@@ -287,3 +292,6 @@ def test_shape_labels_read_every_switch():
     assert t["refresh_dot"] and t["persistent_refresh"] and t["pdl"] and not t["split_refresh"]
     assert "fp_fusion" not in t and "pin_vector_width" not in t and "step_pin" not in t  # the defaults apply
     assert launch.parse_shape("32x1dsev0")["step_pin"] == 0
+    t = launch.parse_shape("32x1dsev16f1/16x2")
+    assert (t["step_pin"], t["loads"], t["refresh_rows"]) == (16, 1, 16) and t["refresh_dot"]
+    assert launch.parse_shape("32x1sef")["loads"] == 2 and "loads" not in launch.parse_shape("32x1se")

@@ -2,6 +2,9 @@
 against the float64 recurrence and against the PyTorch backend: decode across refreshes,
 speculative rounds with every accept count, pad slots, slots at different window positions,
 and the two-precision invariants. Geometries are the smallest the kernels tile (dims >= 16)."""
+import functools
+import itertools
+
 import pytest
 import torch
 
@@ -54,16 +57,26 @@ def _schedule(tr, rounds, rng):
         tr.decode([0, 2, -1, 1])
 
 
+def _with_next_order(step, orders, *args):
+    """Run a tracker step with the next of ``orders`` as ``launch.TUNING["loads"]``."""
+    from replayssm._triton import launch
+
+    launch.TUNING["loads"] = next(orders)
+    return step(*args)
+
+
 @pytest.mark.parametrize("arch, variant", [("mamba2", "tensor_cores"), ("mamba2", "loop"), ("gdn", "loop"),
                                            ("gdn", "tensor_cores"), ("gdn", "tensor_cores_split"),
                                            ("mamba2", "late_cursor"), ("gdn", "late_cursor"),
                                            ("mamba2", "output_dot"), ("gdn", "output_dot"),
+                                           ("mamba2", "load_order"), ("gdn", "load_order"),
                                            ("mamba2", "all_experiments"), ("gdn", "all_experiments")])
 def test_triton_s32_matches_float64_reference(arch, variant):
     """Both refresh folds (Mamba-2: tensor-core products, the default, or token by token; GDN:
     token by token, the default, or forward substitution with tensor-core products), with the
     cursor loaded by the step kernels (the early cursor is the default) and the outputs' products
-    on tensor cores at every T (the default only from launch.OUTPUT_DOT_MIN_DRAFT), through
+    on tensor cores at every T (the default only from launch.OUTPUT_DOT_MIN_DRAFT), with the step
+    programs' loads in the order the defaults do not use (``launch.preload``), fused refresh, through
     decode and verify rounds."""
     from replayssm._triton import launch
 
@@ -75,6 +88,11 @@ def test_triton_s32_matches_float64_reference(arch, variant):
         launch.TUNING["early_cursor"] = False
     elif variant == "output_dot":
         launch.TUNING[variant] = True
+    elif variant == "load_order":  # the three load orders in turn, step by step, refresh fused
+        launch.TUNING["split_refresh"] = False
+        orders = itertools.cycle(launch.LOAD_ORDERS)
+        for name in ("decode", "verify"):
+            setattr(tr, name, functools.partial(_with_next_order, getattr(tr, name), orders))
     elif variant == "all_experiments":  # as the next sweep will combine them
         launch.TUNING.update(early_cursor=True, output_dot=True, refresh_dot=True, split_refresh=True)
     else:

@@ -199,7 +199,7 @@ def check_geometry(cache):
 #: Launch-shape overrides, for benchmark sweeps: {"block_rows": int, "num_warps": int,
 #: "refresh_dot": bool, "split_refresh": bool, "early_cursor": bool, "output_dot": bool,
 #: "refresh_rows": int, "refresh_warps": int, "persistent_refresh": bool, "refresh_columns": int,
-#: "pdl": bool, "fp_fusion": bool, "pin_vector_width": bool, "step_pin": int};
+#: "pdl": bool, "fp_fusion": bool, "pin_vector_width": bool, "step_pin": int, "loads": int};
 #: ``parse_shape`` reads them from a label. Each default is the faster one measured
 #: (BENCHMARKS.md) among those that keep the anchor's bits: ``early_cursor`` on (``cursor_args``),
 #: ``output_dot`` by draft length (``OUTPUT_DOT_MIN_DRAFT``), ``refresh_dot`` off for GDN
@@ -207,7 +207,7 @@ def check_geometry(cache):
 TUNING: dict = {}
 
 #: (rows of a head per program, warps per program, refresh fold on tensor cores, elements per
-#: thread pinned on the step's read-copy load) by architecture and read-copy format: the fastest
+#: thread pinned on the step's read-copy load, load order) by architecture and read-copy format: the fastest
 #: measured on an H200 at batch 256, staggered windows, real geometries, split refresh
 #: (benchmarks/sweep_shapes.py; BENCHMARKS.md has the sweeps), among folds whose anchor bits do
 #: not depend on the read format (DESIGN §3: changing the read precision leaves the anchor
@@ -234,12 +234,28 @@ TUNING: dict = {}
 #: s32_rs 345.1 -> 356.2 (decode: its verify steps pin, ``DRAFT_SHAPES``); GDN 32x1 s32_rs 480.6
 #: -> 447.1, tp16_hi32 422.9 -> 418.3 (8; 16: 430.3), tpbf16_hi32 421.2 -> 414.9. fp8 and NVFP4
 #: read copies load in shapes of their own, which the pin does not touch.
-SHAPES = {("mamba2", "fp32"): (32, 1, True, 0), ("mamba2", "fp16"): (32, 1, True, 16),
-          ("mamba2", "bf16"): (32, 1, True, 16), ("mamba2", "fp8_e4m3"): (32, 1, True, 0),
-          ("mamba2", "nvfp4"): (32, 4, True, 0),
-          ("gdn", "fp32"): (32, 1, False, 16), ("gdn", "fp16"): (32, 1, False, 8),
-          ("gdn", "bf16"): (32, 1, False, 16), ("gdn", "fp8_e4m3"): (32, 1, False, 0),
-          ("gdn", "nvfp4"): (32, 4, False, 0)}
+SHAPES = {("mamba2", "fp32"): (32, 1, True, 0, 0), ("mamba2", "fp16"): (32, 1, True, 16, 0),
+          ("mamba2", "bf16"): (32, 1, True, 16, 0), ("mamba2", "fp8_e4m3"): (32, 1, True, 0, 0),
+          ("mamba2", "nvfp4"): (32, 4, True, 0, 0),
+          ("gdn", "fp32"): (32, 1, False, 16, 2), ("gdn", "fp16"): (32, 1, False, 8, 2),
+          ("gdn", "bf16"): (32, 1, False, 16, 2), ("gdn", "fp8_e4m3"): (32, 1, False, 0, 2),
+          ("gdn", "nvfp4"): (32, 4, False, 0, 0)}
+
+#: Where a step program issues its loads other than the read copy's (the last field of ``SHAPES``
+#: and ``DRAFT_SHAPES``; ``TUNING["loads"]``): 0 = each new token's inputs where the kernel first
+#: uses them, the window's before the output loop; 1 = all of them before the output loop; 2 = all
+#: of them right after the read copy's, before the pin and any refresh, so that the program waits
+#: on memory once. ncu of the GDN decode step (batch 256, s32_rs, 32x1): at 0, three dependent
+#: rounds of loads after the read copy, 64% of the warps' time waiting on them, 313.6 us at 77% of
+#: DRAM bandwidth; at 2, one round, 281.7 us at 86%. Whole steps, H200, batch 256, staggered, us,
+#: orders 0 / 1 / 2 (BENCHMARKS.md, ninth session): GDN T=1 s32_rs 446.5 (the tree before) / 426.8
+#: / 417.8, tp16_hi32 417.6 / 405.2 / 389.4, tpbf16_hi32 401.9 / 401.9 / 386.4; T=2 s32_rs 584.0 /
+#: 571.1 / 534.5, tp16_hi32 646.2 / 608.9 / 584.6. Mamba-2 steps never take 2: with the refresh
+#: fused (batch < ``SPLIT_MIN_BATCH``) its outputs then differed in the last bits from the split
+#: launch's (refresh_bits.py, tp16_hi32 and s32_rs at T=2), so results would depend on the batch
+#: size; at T=1 its orders are within 1% for s32_rs and tp8_hi32 (order 0 keeps the PTX of the
+#: eighth session's kernels). GDN refreshes in a launch of its own at every batch.
+LOAD_ORDERS = (0, 1, 2)
 
 
 def parse_shape(text: str) -> dict:
@@ -250,11 +266,13 @@ def parse_shape(text: str) -> dict:
     contraction of a * b + c into fma by the compiler (``enable_fp_fusion=False``), ``u`` = GDN
     refresh unpinned (``pin_vector_width``); then "v" and a number: the step's read-copy load
     pinned to that many elements per thread ("v0": unpinned; without "v", the pin of ``SHAPES``
-    or ``DRAFT_SHAPES`` for the preset and draft length); after "/",
+    or ``DRAFT_SHAPES`` for the preset and draft length); then "f" and a number: the step's load
+    order (``LOAD_ORDERS``; without "f", the tables'; "f" alone: 2); after "/",
     the refresh launch's rows x warps; after "@", the columns a Mamba-2 refresh folds at a time.
-    E.g. "32x4dsep/16x2", "32x2dse@64", "32x2dsel", "32x1sev16/16x2"."""
+    E.g. "32x4dsep/16x2", "32x2dse@64", "32x2dsel", "32x1sev16/16x2", "32x1dsev16f1"."""
     text, _, columns = text.partition("@")
     text, _, refresh = text.partition("/")
+    text, f, loads = text.partition("f")
     text, _, step_pin = text.partition("v")
     base = text.rstrip("dseoplnu")
     rows, warps = map(int, base.split("x"))
@@ -268,6 +286,8 @@ def parse_shape(text: str) -> dict:
         out["pin_vector_width"] = False
     if step_pin:  # "32x1dsev16": the step kernel's read-copy tile loads >= 16 elements per thread
         out["step_pin"] = int(step_pin)
+    if f:  # "32x1dsef1": the step program's other loads before its output loop (LOAD_ORDERS); "f" alone: 2
+        out["loads"] = int(loads or 2)
     if refresh:  # "64x4s/16x2": the split refresh launch at 16 rows x 2 warps
         out["refresh_rows"], out["refresh_warps"] = map(int, refresh.split("x"))
     if columns:  # "32x2dse@64": a Mamba-2 refresh folds 64 columns at a time
@@ -300,32 +320,43 @@ def _tile_rows(cache, rows: int) -> int:
     return rows
 
 
-#: Step shapes of verify steps where they differ from ``SHAPES``: (arch, read format) -> (least
-#: draft length, rows, warps, pin). The rows and warps apply only where the refresh is split (GDN:
-#: always, ``SPLIT_MIN_BATCH``), so a step's shape never touches the anchor. The pin applies at
-#: any batch: with it the fused and split refreshes still give the same bits (H200,
-#: benchmarks/refresh_bits.py --draft 4). H200, batch 256, us per round: GDN T=4 reads through
-#: tensor cores (``output_dot``) and is fastest at 64x4 unpinned (s32_rs 1078.9, tp16_hi32 1131.3
-#: against 1144.4 pinned), fp8 at 32x2 (64x4 -> 32x2: 1315.9 -> 1135.6); Mamba-2 s32_rs pinned
-#: at 16: T=2 480.4 -> 461.5, T=4 780.0 -> 700.5, T=8 1407.5 -> 1207.8.
-DRAFT_SHAPES = {("mamba2", "fp32"): (2, 32, 1, 16),
-                ("gdn", "fp32"): (4, 64, 4, 0), ("gdn", "fp16"): (4, 64, 4, 0), ("gdn", "bf16"): (4, 64, 4, 0),
-                ("gdn", "fp8_e4m3"): (4, 32, 2, 0)}
+#: Step shapes of verify steps where they differ from ``SHAPES``: (arch, read format) -> entries
+#: (least draft length, rows, warps, pin, load order), by increasing least draft length; a step of
+#: T tokens takes the last entry whose least length is <= T. The rows and warps apply only where
+#: the refresh is split (GDN: always, ``SPLIT_MIN_BATCH``), so a step's shape never touches the
+#: anchor. The pin applies at any batch: with it the fused and split refreshes still give the same
+#: bits (H200, benchmarks/refresh_bits.py --draft 4). H200, batch 256, us per round: GDN T=4 reads
+#: through tensor cores (``output_dot``) and is fastest at 64x4 unpinned (s32_rs 1078.9, tp16_hi32
+#: 1131.3 against 1144.4 pinned), fp8 at 32x2 (64x4 -> 32x2: 1315.9 -> 1135.6); Mamba-2 s32_rs
+#: pinned at 16: T=2 480.4 -> 461.5, T=4 780.0 -> 700.5, T=8 1407.5 -> 1207.8. Load orders
+#: (``LOAD_ORDERS``; ninth session, us per round, orders 0 / 1 / 2): Mamba-2 s32_rs T=2 449.7 /
+#: 412.8 / 405.8, T=4 635.1 / 584.2 / 630.0, T=8 1145.2 / 1140.7 / 1271.9; tp16_hi32 T=2 408.8 /
+#: 382.9 / 356.1, T=4 636.2 / 605.8 / 578.6, T=8 1219.1 / 1185.4 / 1145.5; tpbf16_hi32 T=4
+#: 662.7 / 563.7 / 577.5; tp8_hi32 T=2 410.2 / 351.5 / 351.1, T=4 686.1 / 630.1 / 629.5, T=8
+#: 1271.7 / 1443.7 / 1443.1 (Mamba-2 takes 1, never 2: ``LOAD_ORDERS``); GDN T=4 keeps order 0
+#: (162 registers at 64x4; orders 1 and 2 took 217 and lost 6-11%).
+DRAFT_SHAPES = {("mamba2", "fp32"): ((2, 32, 1, 16, 1),),
+                ("mamba2", "fp16"): ((2, 32, 1, 16, 1),), ("mamba2", "bf16"): ((2, 32, 1, 16, 1),),
+                ("mamba2", "fp8_e4m3"): ((2, 32, 1, 0, 1), (8, 32, 1, 0, 0)),
+                ("gdn", "fp32"): ((4, 64, 4, 0, 0),), ("gdn", "fp16"): ((4, 64, 4, 0, 0),),
+                ("gdn", "bf16"): ((4, 64, 4, 0, 0),), ("gdn", "fp8_e4m3"): ((4, 32, 2, 0, 0),)}
 
 
-def launch_shape(cache, arch: str, T: int = 1) -> tuple[int, int, bool, int]:
+def launch_shape(cache, arch: str, T: int = 1) -> tuple[int, int, bool, int, int]:
     """(rows of a head per program, warps per program, refresh on tensor cores, elements per
-    thread pinned on the step's read-copy load or 0) for a step of T tokens of ``cache``
-    (``SHAPES``, ``DRAFT_SHAPES``, ``TUNING`` over them, rows as ``_tile_rows`` allows)."""
+    thread pinned on the step's read-copy load or 0, load order of ``LOAD_ORDERS``) for a step of
+    T tokens of ``cache`` (``SHAPES``, ``DRAFT_SHAPES``, ``TUNING`` over them, rows as
+    ``_tile_rows`` allows)."""
     fmt = cache.precision.read_format.name
-    rows, warps, dot, pin = SHAPES[(arch, fmt)]
-    least, draft_rows, draft_warps, draft_pin = DRAFT_SHAPES.get((arch, fmt), (None, rows, warps, pin))
-    if least is not None and T >= least:
-        pin = draft_pin
-        if split_refresh(arch, 1, T):
-            rows, warps = draft_rows, draft_warps
+    rows, warps, dot, pin, loads = SHAPES[(arch, fmt)]
+    for least, draft_rows, draft_warps, draft_pin, draft_loads in DRAFT_SHAPES.get((arch, fmt), ()):
+        if T >= least:
+            pin, loads = draft_pin, draft_loads
+            if split_refresh(arch, 1, T):
+                rows, warps = draft_rows, draft_warps
     rows = _tile_rows(cache, TUNING.get("block_rows", rows))
-    return rows, TUNING.get("num_warps", warps), TUNING.get("refresh_dot", dot), TUNING.get("step_pin", pin)
+    return (rows, TUNING.get("num_warps", warps), TUNING.get("refresh_dot", dot), TUNING.get("step_pin", pin),
+            TUNING.get("loads", loads))
 
 
 #: (rows, warps) per program of the split refresh launch, by architecture, where it differs from

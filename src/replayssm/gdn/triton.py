@@ -225,6 +225,45 @@ def _gdn_refresh_kernel(
 
 
 @triton.jit
+def _window_loads(bg_ptr, bu_ptr, g_ptr, q_ptr, k_ptr, row, pid_b, head, khead, h, rv, HV, HK, T: tl.constexpr,
+                  L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, OUTPUT_DOT: tl.constexpr,
+                  QP: tl.constexpr):
+    """What a step program reads of a window of h committed entries: (log decays g [LP], cached
+    residuals U [BV, LP], and with OUTPUT_DOT the step's keys and queries Q [QP, DK], else 0)."""
+    j = tl.arange(0, LP)
+    g = window_scalars(bg_ptr, g_ptr, row, pid_b, h, head, HV, T, L, LP)
+    U = tl.load(bu_ptr + ((row * L + j[None, :]) * HV + head) * DV + rv[:, None], mask=(j < h)[None, :], other=0.0)
+    Q = 0.0
+    if OUTPUT_DOT:
+        r = tl.arange(0, QP)[:, None]
+        at = ((pid_b * T + r % T) * HK + khead) * DK + tl.arange(0, DK)[None, :]
+        Q = tl.where(r < T, tl.load(k_ptr + at, mask=r < 2 * T, other=0.0), tl.load(q_ptr + at, mask=r < 2 * T, other=0.0))
+    return g, U, Q
+
+
+@triton.jit
+def _token_loads(q_ptr, k_ptr, v_ptr, beta_ptr, scores_ptr, bv_ptr, pid_b, head, khead, rv, HV, HK, T: tl.constexpr,
+                 LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, R_FMT: tl.constexpr, OUTPUT_DOT: tl.constexpr):
+    """The new tokens' inputs to a step program, all issued at once (load orders 1 and 2): a tuple
+    indexed by s of (v_s rounded to the buffer dtype [BV], beta_s, k_j . k_s [LP], k_j . q_s [LP],
+    then k_s and q_s as ``load_query`` gives them, zeros with OUTPUT_DOT). Order 0 loads the same
+    values where the step kernel first uses them."""
+    j = tl.arange(0, LP)
+    tokens_in = ()
+    for s in tl.static_range(T):
+        tok_in = pid_b * T + s
+        base = ((pid_b * HK + khead) * 2 * T + s) * LP
+        ka, kb, qa, qb = 0.0, 0.0, 0.0, 0.0
+        if not OUTPUT_DOT:
+            ka, kb = load_query(k_ptr + (tok_in * HK + khead) * DK, DK, R_FMT)
+            qa, qb = load_query(q_ptr + (tok_in * HK + khead) * DK, DK, R_FMT)
+        tokens_in = tokens_in + ((tl.load(v_ptr + (tok_in * HV + head) * DV + rv).to(bv_ptr.dtype.element_ty),
+                                  tl.load(beta_ptr + tok_in * HV + head), tl.load(scores_ptr + base + T * LP + j),
+                                  tl.load(scores_ptr + base + j), ka, kb, qa, qb),)
+    return tokens_in
+
+
+@triton.jit
 def _gdn_step_kernel(
         slots_ptr, committed_ptr, cursors_ptr, tokens_ptr, seeds_ptr, gram_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
@@ -235,7 +274,8 @@ def _gdn_step_kernel(
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, FUSED_REFRESH: tl.constexpr, EARLY_CURSOR: tl.constexpr, OUTPUT_DOT: tl.constexpr,
-        QP: tl.constexpr, REFRESH_DOT: tl.constexpr, PDL: tl.constexpr, STEP_PIN: tl.constexpr = 0):
+        QP: tl.constexpr, REFRESH_DOT: tl.constexpr, PDL: tl.constexpr, STEP_PIN: tl.constexpr = 0,
+        LOADS: tl.constexpr = 0):
     after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -247,11 +287,16 @@ def _gdn_step_kernel(
     rv = pid_v * BV + tl.arange(0, BV)
     ck = tl.arange(0, DK)
     j = tl.arange(0, LP)
-    buf_tok = row * L + j
     # the read copy in its own layout (the anchor itself when shared), issued before the cursor
     # load so that the two latencies overlap; a refreshing program replaces it below
     ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
     h, need = cursor_of(committed_ptr, h_early, valid, row, T, L, EARLY_CURSOR)
+    h_win = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
+    if LOADS == 2:  # issued with the read copy's loads (launch.LOAD_ORDERS)
+        g, U, Q = _window_loads(bg_ptr, bu_ptr, g_ptr, q_ptr, k_ptr, row, pid_b, head, khead, h_win, rv, HV, HK, T, L,
+                                LP, DV, DK, OUTPUT_DOT, QP)
+        tokens_in = _token_loads(q_ptr, k_ptr, v_ptr, beta_ptr, scores_ptr, bv_ptr, pid_b, head, khead, rv, HV, HK,
+                                 T, LP, DV, DK, R_FMT, OUTPUT_DOT)
     if STEP_PIN:
         pin_vector_width(rv_ptr, mat, rv, ck, h < 0, DV, DK, STEP_PIN)
 
@@ -262,48 +307,54 @@ def _gdn_step_kernel(
                               KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, True)
             tl.debug_barrier()  # read back, as after a split refresh (write_checkpoint says why)
             ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
-    h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
-
-    old = j < h
-    g = window_scalars(bg_ptr, g_ptr, row, pid_b, h, head, HV, T, L, LP)
-    U = tl.load(bu_ptr + (buf_tok[None, :] * HV + head) * DV + rv[:, None], mask=old[None, :], other=0.0)
+    h = h_win
+    if LOADS < 2:
+        g, U, Q = _window_loads(bg_ptr, bu_ptr, g_ptr, q_ptr, k_ptr, row, pid_b, head, khead, h, rv, HV, HK, T, L,
+                                LP, DV, DK, OUTPUT_DOT, QP)
+    if LOADS == 1:
+        tokens_in = _token_loads(q_ptr, k_ptr, v_ptr, beta_ptr, scores_ptr, bv_ptr, pid_b, head, khead, rv, HV, HK,
+                                 T, LP, DV, DK, R_FMT, OUTPUT_DOT)
     if OUTPUT_DOT:  # every S_read k_s and S_read q_s of the step in one product (launch.output_dot)
-        r = tl.arange(0, QP)[:, None]
-        at = ((pid_b * T + r % T) * HK + khead) * DK + ck[None, :]
-        Q = tl.where(r < T, tl.load(k_ptr + at, mask=r < 2 * T, other=0.0), tl.load(q_ptr + at, mask=r < 2 * T, other=0.0))
         SQ = products_on_tensor_cores(ra, rb, rsc, Q, R_FMT)  # columns: k_0..k_{T-1}, q_0..q_{T-1}
     for s in tl.static_range(T):
         t = h + s
         tok_in = pid_b * T + s
         tok_buf = row * L + t
+        if LOADS > 0:
+            v_s, beta_s, k_scores, q_scores, ka, kb, qa, qb = tokens_in[s]
         c_t = tl.sum(tl.where(j <= t, g, 0.0), 0)  # log decay from the checkpoint to t
         seg = segment_to(g, t)  # log decay from entry j to t
-        v_s = tl.load(v_ptr + (tok_in * HV + head) * DV + rv).to(bv_ptr.dtype.element_ty)
-        # residual u_s = beta_s (v_s - alpha_s S_{t-1} k_s), with S_{t-1} never formed
         base = ((pid_b * HK + khead) * 2 * T + s) * LP
-        before = tl.where(j < t, tl.exp(tl.where(j < t, seg, float("-inf"))), 0.0) * \
-            tl.load(scores_ptr + base + T * LP + j)
+        if LOADS == 0:  # each input where it is first used
+            v_s = tl.load(v_ptr + (tok_in * HV + head) * DV + rv).to(bv_ptr.dtype.element_ty)
+            k_scores = tl.load(scores_ptr + base + T * LP + j)
+        # residual u_s = beta_s (v_s - alpha_s S_{t-1} k_s), with S_{t-1} never formed
+        before = tl.where(j < t, tl.exp(tl.where(j < t, seg, float("-inf"))), 0.0) * k_scores
         if OUTPUT_DOT:
             Sk_read = column(SQ, s)
         else:
-            ka, kb = load_query(k_ptr + (tok_in * HK + khead) * DK, DK, R_FMT)
+            if LOADS == 0:
+                ka, kb = load_query(k_ptr + (tok_in * HK + khead) * DK, DK, R_FMT)
             Sk_read = matvec(ra, rb, rsc, ka, kb, R_FMT)
         Sk = tl.exp(c_t) * Sk_read + tl.sum(U * before[None, :], 1)
-        u_s = tl.load(beta_ptr + tok_in * HV + head) * (v_s.to(tl.float32) - Sk)
+        if LOADS == 0:
+            beta_s = tl.load(beta_ptr + tok_in * HV + head)
+        u_s = beta_s * (v_s.to(tl.float32) - Sk)
         U = tl.where(j[None, :] == t, u_s[:, None], U)
         # output o_s = S_t q_s = gamma_t S_read q_s + sum_{j <= t} gamma_{j+1:t} (k_j . q_s) u_j
         if OUTPUT_DOT:
             Sq_read = column(SQ, T + s)
         else:
-            qa, qb = load_query(q_ptr + (tok_in * HK + khead) * DK, DK, R_FMT)
+            if LOADS == 0:
+                qa, qb = load_query(q_ptr + (tok_in * HK + khead) * DK, DK, R_FMT)
             Sq_read = matvec(ra, rb, rsc, qa, qb, R_FMT)
-        upto = tl.where(j <= t, tl.exp(tl.where(j <= t, seg, float("-inf"))), 0.0) * \
-            tl.load(scores_ptr + base + j)
+        if LOADS == 0:
+            q_scores = tl.load(scores_ptr + base + j)
+        upto = tl.where(j <= t, tl.exp(tl.where(j <= t, seg, float("-inf"))), 0.0) * q_scores
         o = tl.exp(c_t) * Sq_read + tl.sum(U * upto[None, :], 1)
         tl.store(o_ptr + (tok_in * HV + head) * DV + rv, tl.where(valid, o, 0.0))
         tl.store(bv_ptr + (tok_buf * HV + head) * DV + rv, v_s)  # rows only this program reads
         tl.store(bu_ptr + (tok_buf * HV + head) * DV + rv, u_s)
-
 
 def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: bool):
     """One GDN decode (T = 1) or verify step on the Triton backend.
@@ -317,7 +368,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     anchor, read, consts = launch.format_args(cache)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     o = torch.empty(b, T, HV, V, dtype=torch.float32, device=v.device)
-    bv, warps, refresh_dot, pin = launch.launch_shape(cache, "gdn", T)
+    bv, warps, refresh_dot, pin, loads = launch.launch_shape(cache, "gdn", T)
     split = launch.split_refresh("gdn", b, T)
     buf = cache.buffer
     LP = max(16, triton.next_power_of_2(cache.window))
@@ -350,7 +401,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
         T=T, L=cache.window, LP=LP, DV=V,
         DK=cache.head_k_dim, BV=bv, KC=kc, FUSED_REFRESH=not split, EARLY_CURSOR=early,
         OUTPUT_DOT=launch.output_dot(cache, "gdn", T), QP=max(16, triton.next_power_of_2(2 * T)),
-        REFRESH_DOT=refresh_dot, STEP_PIN=pin,
+        REFRESH_DOT=refresh_dot, STEP_PIN=pin, LOADS=loads,
         num_warps=warps, **consts)
     launch.advance(cache, slots, T, commit, {"k": k, "g": g, "beta": beta})
     return o

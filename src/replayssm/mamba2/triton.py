@@ -159,6 +159,49 @@ def _mamba2_refresh_kernel(
 
 
 @triton.jit
+def _window_loads(bx_ptr, bdt_ptr, bla_ptr, x_ptr, dt_ptr, la_ptr, C_ptr, row, pid_b, head, group, h, rv, H, G,
+                  T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
+                  OUTPUT_DOT: tl.constexpr, QP: tl.constexpr):
+    """What a step program reads of a window of h committed entries: (log decays [LP], step sizes
+    [LP], x rows X [LP, BV], and with OUTPUT_DOT the step's queries Q [QP, DK], else 0)."""
+    la = window_scalars(bla_ptr, la_ptr, row, pid_b, h, head, H, T, L, LP)
+    dt = window_scalars(bdt_ptr, dt_ptr, row, pid_b, h, head, H, T, L, LP)
+    X = window_rows(bx_ptr, x_ptr, row, pid_b, h, head, H, rv, DV, T, L, LP)
+    Q = 0.0
+    if OUTPUT_DOT:
+        r = tl.arange(0, QP)
+        Q = tl.load(C_ptr + ((pid_b * T + r[:, None]) * G + group) * DK + tl.arange(0, DK)[None, :],
+                    mask=(r < T)[:, None], other=0.0).to(tl.float32)
+    return la, dt, X, Q
+
+
+@triton.jit
+def _token_loads(x_ptr, C_ptr, D_ptr, z_ptr, scores_ptr, pid_b, head, group, rv, H, G, T: tl.constexpr,
+                 LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, R_FMT: tl.constexpr, HAS_D: tl.constexpr,
+                 HAS_Z: tl.constexpr, OUTPUT_DOT: tl.constexpr):
+    """The new tokens' inputs to a step program, all issued at once (load orders 1 and 2): a tuple
+    indexed by s of (B_j . C_s [LP], C_s as ``load_query`` gives it (zeros with OUTPUT_DOT), D,
+    x_s [BV], z_s [BV]; D, x_s and z_s zero where not used). Order 0 loads the same values where
+    the step kernel first uses them."""
+    tokens_in = ()
+    for s in tl.static_range(T):
+        q_tok = pid_b * T + s
+        qa, qb = 0.0, 0.0
+        if not OUTPUT_DOT:
+            qa, qb = load_query(C_ptr + (q_tok * G + group) * DK, DK, R_FMT)
+        D, xq, zq = 0.0, 0.0, 0.0
+        if HAS_D:
+            D = tl.load(D_ptr + head).to(tl.float32)
+        if HAS_D or HAS_Z:
+            xq = tl.load(x_ptr + (q_tok * H + head) * DV + rv).to(tl.float32)
+        if HAS_Z:
+            zq = tl.load(z_ptr + (q_tok * H + head) * DV + rv).to(tl.float32)
+        tokens_in = tokens_in + ((tl.load(scores_ptr + ((pid_b * G + group) * T + s) * LP + tl.arange(0, LP)),
+                                  qa, qb, D, xq, zq),)
+    return tokens_in
+
+
+@triton.jit
 def _mamba2_step_kernel(
         slots_ptr, committed_ptr, cursors_ptr, tokens_ptr, seeds_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
@@ -170,7 +213,7 @@ def _mamba2_step_kernel(
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, REFRESH_DOT: tl.constexpr,
         FUSED_REFRESH: tl.constexpr, EARLY_CURSOR: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr,
-        PDL: tl.constexpr, STEP_PIN: tl.constexpr = 0):
+        PDL: tl.constexpr, STEP_PIN: tl.constexpr = 0, LOADS: tl.constexpr = 0):
     after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -187,6 +230,11 @@ def _mamba2_step_kernel(
     # load so that the two latencies overlap; a refreshing program replaces it below
     ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
     h, need = cursor_of(committed_ptr, h_early, valid, row, T, L, EARLY_CURSOR)
+    if LOADS == 2:  # issued with the read copy's loads (launch.LOAD_ORDERS)
+        la, dt, X, Q = _window_loads(bx_ptr, bdt_ptr, bla_ptr, x_ptr, dt_ptr, la_ptr, C_ptr, row, pid_b, head, group,
+                                     tl.where(need, 0, h), rv, H, G, T, L, LP, DV, DK, OUTPUT_DOT, QP)
+        tokens_in = _token_loads(x_ptr, C_ptr, D_ptr, z_ptr, scores_ptr, pid_b, head, group, rv, H, G, T, LP, DV,
+                                 DK, R_FMT, HAS_D, HAS_Z, OUTPUT_DOT)
     if STEP_PIN:
         pin_vector_width(rv_ptr, mat, rv, ck, h < 0, DV, DK, STEP_PIN)
 
@@ -201,34 +249,43 @@ def _mamba2_step_kernel(
 
     # the window's entries: committed ones from the buffer, the T new ones from the inputs
     new = (j >= h) & (j < h + T)
-    la = window_scalars(bla_ptr, la_ptr, row, pid_b, h, head, H, T, L, LP)
-    dt = window_scalars(bdt_ptr, dt_ptr, row, pid_b, h, head, H, T, L, LP)
-    X = window_rows(bx_ptr, x_ptr, row, pid_b, h, head, H, rv, DV, T, L, LP)  # [LP, BV]
+    if LOADS < 2:
+        la, dt, X, Q = _window_loads(bx_ptr, bdt_ptr, bla_ptr, x_ptr, dt_ptr, la_ptr, C_ptr, row, pid_b, head, group,
+                                     h, rv, H, G, T, L, LP, DV, DK, OUTPUT_DOT, QP)
+    if LOADS == 1:
+        tokens_in = _token_loads(x_ptr, C_ptr, D_ptr, z_ptr, scores_ptr, pid_b, head, group, rv, H, G, T, LP, DV,
+                                 DK, R_FMT, HAS_D, HAS_Z, OUTPUT_DOT)
     if OUTPUT_DOT:  # every S_read C_s of the step in one tensor-core product (launch.output_dot)
-        r = tl.arange(0, QP)
-        Q = tl.load(C_ptr + ((pid_b * T + r[:, None]) * G + group) * DK + ck[None, :], mask=(r < T)[:, None],
-                    other=0.0).to(tl.float32)
         SQ = products_on_tensor_cores(ra, rb, rsc, Q, R_FMT)
     for s in tl.static_range(T):  # y_s = gamma_t S_read q + sum_j gamma_{j+1:t} dt_j (k_j . q) x_j
         t = h + s
         q_tok = pid_b * T + s
+        if LOADS > 0:
+            scores, qa, qb, D, xq, zq = tokens_in[s]
         if OUTPUT_DOT:
             sq = column(SQ, s)
         else:
-            qa, qb = load_query(C_ptr + (q_tok * G + group) * DK, DK, R_FMT)
+            if LOADS == 0:  # each input where it is first used
+                qa, qb = load_query(C_ptr + (q_tok * G + group) * DK, DK, R_FMT)
             sq = matvec(ra, rb, rsc, qa, qb, R_FMT)
         seen = j <= t
         decay = tl.exp(tl.where(seen, segment_to(la, t), float("-inf")))  # masked before exp
-        w = decay * dt * tl.load(scores_ptr + ((pid_b * G + group) * T + s) * LP + j)  # [LP]
+        if LOADS == 0:
+            scores = tl.load(scores_ptr + ((pid_b * G + group) * T + s) * LP + j)
+        w = decay * dt * scores  # [LP]
         y = tl.exp(tl.sum(tl.where(seen, la, 0.0), 0)) * sq
         y += tl.sum(X * w[:, None], 0)
         out = (q_tok * H + head) * DV + rv
         if HAS_D or HAS_Z:
-            xq = tl.load(x_ptr + out).to(tl.float32)
+            if LOADS == 0:
+                xq = tl.load(x_ptr + out).to(tl.float32)
             if HAS_D:
-                y += tl.load(D_ptr + head).to(tl.float32) * xq
+                if LOADS == 0:
+                    D = tl.load(D_ptr + head).to(tl.float32)
+                y += D * xq
             if HAS_Z:
-                zq = tl.load(z_ptr + out).to(tl.float32)
+                if LOADS == 0:
+                    zq = tl.load(z_ptr + out).to(tl.float32)
                 y *= zq * tl.sigmoid(zq)
         tl.store(y_ptr + out, tl.where(valid, y, 0.0))
     # the new tokens' x rows (rounded to the buffer dtype): only this program reads them
@@ -249,7 +306,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
     z = None if z is None else z.contiguous()
     y = torch.empty(b, T, H, P, dtype=torch.float32, device=x.device)
-    bv, warps, refresh_dot, pin = launch.launch_shape(cache, "mamba2", T)
+    bv, warps, refresh_dot, pin, loads = launch.launch_shape(cache, "mamba2", T)
     split = launch.split_refresh("mamba2", b, T)
     kc = launch.refresh_columns(cache)
     buf = cache.buffer
@@ -283,7 +340,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
         DK=cache.dstate, BV=bv, KC=kc, HAS_D=D is not None, HAS_Z=z is not None,
         REFRESH_DOT=refresh_dot, FUSED_REFRESH=not split, EARLY_CURSOR=early,
         OUTPUT_DOT=launch.output_dot(cache, "mamba2", T), QP=max(16, triton.next_power_of_2(T)),
-        STEP_PIN=pin, num_warps=warps,
+        STEP_PIN=pin, LOADS=loads, num_warps=warps,
         **consts)
     launch.advance(cache, slots, T, commit, {"dt": dt, "log_alpha": log_alpha, "B": B})
     return y
