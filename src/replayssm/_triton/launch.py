@@ -243,18 +243,19 @@ SHAPES = {("mamba2", "fp32"): (32, 1, True, 0, 0), ("mamba2", "fp16"): (32, 1, T
 
 #: Where a step program issues its loads other than the read copy's (the last field of ``SHAPES``
 #: and ``DRAFT_SHAPES``; ``TUNING["loads"]``): 0 = each new token's inputs where the kernel first
-#: uses them, the window's before the output loop; 1 = all of them before the output loop; 2 = all
-#: of them right after the read copy's, before the pin and any refresh, so that the program waits
-#: on memory once. ncu of the GDN decode step (batch 256, s32_rs, 32x1): at 0, three dependent
-#: rounds of loads after the read copy, 64% of the warps' time waiting on them, 313.6 us at 77% of
-#: DRAM bandwidth; at 2, one round, 281.7 us at 86%. Whole steps, H200, batch 256, staggered, us,
-#: orders 0 / 1 / 2 (BENCHMARKS.md, ninth session): GDN T=1 s32_rs 446.5 (the tree before) / 426.8
-#: / 417.8, tp16_hi32 417.6 / 405.2 / 389.4, tpbf16_hi32 401.9 / 401.9 / 386.4; T=2 s32_rs 584.0 /
-#: 571.1 / 534.5, tp16_hi32 646.2 / 608.9 / 584.6. Mamba-2 steps never take 2: with the refresh
-#: fused (batch < ``SPLIT_MIN_BATCH``) its outputs then differed in the last bits from the split
-#: launch's (refresh_bits.py, tp16_hi32 and s32_rs at T=2), so results would depend on the batch
-#: size; at T=1 its orders are within 1% for s32_rs and tp8_hi32 (order 0 keeps the PTX of the
-#: eighth session's kernels). GDN refreshes in a launch of its own at every batch.
+#: uses them, the window's before the output loop (the eighth session's kernels: for Mamba-2 the
+#: same PTX); 1 = all of them before the output loop; 2 = all of them right after the read copy's,
+#: before the pin and any refresh, so that the program waits on memory once. ncu of the GDN decode
+#: step (batch 256, s32_rs, 32x1): before, three dependent rounds of loads after the read copy,
+#: 64% of the warps' time waiting on them, 313.6 us at 77% of DRAM bandwidth; at 2, one round,
+#: 281.7 us at 86%. Whole steps, H200, batch 256, staggered, us (BENCHMARKS.md, ninth session),
+#: the eighth session's kernels in the same call -> order 1 -> order 2: GDN T=1 s32_rs 446.5 ->
+#: 426.8 -> 417.8, tp16_hi32 417.6 -> 405.2 -> 389.4; GDN T=2 s32_rs 534.5 at 2 against 584.0 for
+#: a draft of order 0. Mamba-2 steps never take 2: with the refresh fused (batch <
+#: ``SPLIT_MIN_BATCH``) their outputs then differed in the last bits from the split launch's
+#: (refresh_bits.py: tp16_hi32 decode, s32_rs at T=2), so results would depend on the batch size;
+#: at T=1 order 2 gained at most 2.4% (tp16_hi32 246.1 -> 240.6). GDN refreshes in a launch of its
+#: own at every batch.
 LOAD_ORDERS = (0, 1, 2)
 
 
@@ -329,12 +330,11 @@ def _tile_rows(cache, rows: int) -> int:
 #: through tensor cores (``output_dot``) and is fastest at 64x4 unpinned (s32_rs 1078.9, tp16_hi32
 #: 1131.3 against 1144.4 pinned), fp8 at 32x2 (64x4 -> 32x2: 1315.9 -> 1135.6); Mamba-2 s32_rs
 #: pinned at 16: T=2 480.4 -> 461.5, T=4 780.0 -> 700.5, T=8 1407.5 -> 1207.8. Load orders
-#: (``LOAD_ORDERS``; ninth session, us per round, orders 0 / 1 / 2): Mamba-2 s32_rs T=2 449.7 /
-#: 412.8 / 405.8, T=4 635.1 / 584.2 / 630.0, T=8 1145.2 / 1140.7 / 1271.9; tp16_hi32 T=2 408.8 /
-#: 382.9 / 356.1, T=4 636.2 / 605.8 / 578.6, T=8 1219.1 / 1185.4 / 1145.5; tpbf16_hi32 T=4
-#: 662.7 / 563.7 / 577.5; tp8_hi32 T=2 410.2 / 351.5 / 351.1, T=4 686.1 / 630.1 / 629.5, T=8
-#: 1271.7 / 1443.7 / 1443.1 (Mamba-2 takes 1, never 2: ``LOAD_ORDERS``); GDN T=4 keeps order 0
-#: (162 registers at 64x4; orders 1 and 2 took 217 and lost 6-11%).
+#: (``LOAD_ORDERS``), ninth session: Mamba-2 T=4, the eighth session's kernels -> order 1 (same
+#: call): s32_rs 690.7 -> 582.4, tp16_hi32 681.4 -> 587.4, tp8_hi32 740.7 -> 642.8; orders 1 / 2 in
+#: another call: s32_rs T=2 412.8 / 405.8, T=8 1140.7 / 1271.9, tpbf16_hi32 T=4 563.7 / 577.5;
+#: tp8_hi32 T=8 1443.7 at order 1 against 1271.7 for a draft of order 0, hence 0 from T=8. GDN T=4
+#: keeps order 0 (162 registers at 64x4; orders 1 and 2 took 217 and lost 6-11%).
 DRAFT_SHAPES = {("mamba2", "fp32"): ((2, 32, 1, 16, 1),),
                 ("mamba2", "fp16"): ((2, 32, 1, 16, 1),), ("mamba2", "bf16"): ((2, 32, 1, 16, 1),),
                 ("mamba2", "fp8_e4m3"): ((2, 32, 1, 0, 1), (8, 32, 1, 0, 0)),
