@@ -7,8 +7,9 @@ $OUT/sweep.json. Used to pick the defaults in ``_triton/launch.py`` and ``bench/
         [--check-shapes "32x2dsel;64x4sel"] [--shapes 16x2d,16x2ds,32x4ds] [--gdn-shapes 16x2,16x2s] [--drafts 1,4]
     # shapes as launch.parse_shape reads them: rows x warps, d = refresh fold on tensor cores, s = split,
     # e = early cursor, o = outputs' products on tensor cores, p = persistent refresh launch,
-    # l = programmatic dependent launch, "/16x2" = the refresh launch's rows x warps. A label sets
-    # every switch, defaults included.
+    # l = programmatic dependent launch, "v16" = the read-copy pin, "f1" = the load order,
+    # "/16x2" = the refresh launch's rows x warps (launch.parse_shape has every flag). A label sets
+    # every switch, defaults included; without "v" or "f" the tables' pin and load order apply.
 """
 from __future__ import annotations
 

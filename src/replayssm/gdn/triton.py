@@ -356,6 +356,7 @@ def _gdn_step_kernel(
         tl.store(bv_ptr + (tok_buf * HV + head) * DV + rv, v_s)  # rows only this program reads
         tl.store(bu_ptr + (tok_buf * HV + head) * DV + rv, u_s)
 
+
 def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: bool):
     """One GDN decode (T = 1) or verify step on the Triton backend.
 
