@@ -206,6 +206,18 @@ def anchor_ops(arch: str, presets: list[str]) -> dict:
     return found
 
 
+def instructions(compiled) -> list[str]:
+    """The PTX instructions of a compiled kernel as a sorted multiset, register names masked,
+    labels and debug lines dropped: two builds that list the same lines run the same operations, in an order
+    the scheduler may still change. Written by ``--instructions`` to compare source trees (e.g.
+    that a refactor leaves a kernel's code as it was: run once per tree, then ``diff -r``)."""
+    code = compiled.asm["ptx"].split(".section", 1)[0]
+    lines = [line.strip() for line in code.splitlines()]
+    keep = [line for line in lines
+            if line and not line.endswith(":") and not line.startswith(("//", ".loc", ".file", ".b8", ".b32", ".b64"))]
+    return sorted(re.sub(r"%[a-z]+[0-9]+", "%r", re.sub(r"\$L__\w+", "L", line)) for line in keep)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="mamba2,gdn")
@@ -218,6 +230,9 @@ def main(argv=None):
     ap.add_argument("--anchor-ops", action="store_true",
                     help="instead: compare the operations behind the split refresh kernels' anchor stores with "
                          "the first preset's (anchor_ops)")
+    ap.add_argument("--instructions", metavar="DIR",
+                    help="instead: write each step and refresh kernel's PTX instructions (``instructions``) to "
+                         "DIR/<arch>_<preset>_T<draft>_<kernel>.txt, to diff against another source tree's")
     ap.add_argument("--tuning", action="append", default=[], metavar="KEY=INT",
                     help="a launch.TUNING entry for every compile, e.g. pin_vector_width=0 (repeatable)")
     args = ap.parse_args(argv)
@@ -227,8 +242,9 @@ def main(argv=None):
         for arch in args.arch.split(","):
             anchor_ops(arch, args.presets.split(","))
         return
-    print(f"{'arch':7s} {'preset':12s} {'shape':8s} {'kernel':24s} {'regs':>4s} {'spill st/ld':>11s} {'stack':>5s} "
-          f"{'smem':>6s} {'sass':>6s} {'shfl':>5s}")
+    if not args.instructions:
+        print(f"{'arch':7s} {'preset':12s} {'shape':8s} {'kernel':24s} {'regs':>4s} {'spill st/ld':>11s} {'stack':>5s} "
+              f"{'smem':>6s} {'sass':>6s} {'shfl':>5s}")
     for arch in args.arch.split(","):
         for preset in args.presets.split(","):
             for shape in args.shapes.split(","):
@@ -240,6 +256,12 @@ def main(argv=None):
                     launch.TUNING["split_refresh"] = launch.split_refresh(arch, args.batch, args.draft)
                 for kernel, a, kw in record_step(arch, preset, args.draft):
                     if "step" not in kernel.fn.__name__ and "refresh" not in kernel.fn.__name__:
+                        continue
+                    if args.instructions:
+                        os.makedirs(args.instructions, exist_ok=True)
+                        name = f"{arch}_{preset}_T{args.draft}_{kernel.fn.__name__.strip('_')}.txt"
+                        with open(os.path.join(args.instructions, name), "w") as f:
+                            f.write("\n".join(instructions(compile_sm90(kernel, a, kw))) + "\n")
                         continue
                     res = assemble(kernel, a, kw)
                     shown = f"{kw['BV']}x{kw['num_warps']}"
