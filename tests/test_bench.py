@@ -295,3 +295,20 @@ def test_shape_labels_read_every_switch():
     t = launch.parse_shape("32x1dsev16f1/16x2")
     assert (t["step_pin"], t["loads"], t["refresh_rows"]) == (16, 1, 16) and t["refresh_dot"]
     assert launch.parse_shape("32x1sef")["loads"] == 2 and "loads" not in launch.parse_shape("32x1se")
+
+
+def test_mamba2_steps_never_load_before_the_refresh():
+    """``launch.LOAD_ORDERS``: order 2 issues a step's loads before a fused refresh, and on the
+    H200 a fused Mamba-2 step then gave other output bits than the split launch (BENCHMARKS.md,
+    ninth session), so outputs would depend on the batch size. Mamba-2 refreshes inside the step
+    below ``SPLIT_MIN_BATCH``, so none of its table entries may take order 2; GDN, which always
+    refreshes in a launch of its own, may."""
+    pytest.importorskip("triton")
+    from replayssm._triton import launch
+
+    assert launch.SPLIT_MIN_BATCH["mamba2"] > 1 and launch.SPLIT_MIN_BATCH["gdn"] == 1
+    for (arch, fmt), shape in launch.SHAPES.items():
+        orders = [shape[-1]] + [entry[-1] for entry in launch.DRAFT_SHAPES.get((arch, fmt), ())]
+        assert all(order in launch.LOAD_ORDERS for order in orders), (arch, fmt)
+        if arch == "mamba2":
+            assert 2 not in orders, fmt
