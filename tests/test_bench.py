@@ -295,6 +295,9 @@ def test_shape_labels_read_every_switch():
     t = launch.parse_shape("32x1dsev16f1/16x2")
     assert (t["step_pin"], t["loads"], t["refresh_rows"]) == (16, 1, 16) and t["refresh_dot"]
     assert launch.parse_shape("32x1sef")["loads"] == 2 and "loads" not in launch.parse_shape("32x1se")
+    t = launch.parse_shape("32x1sef2/16x2#0")
+    assert (t["loads"], t["refresh_rows"], t["refresh_programs"]) == (2, 16, 0) and t["persistent_refresh"]
+    assert "refresh_programs" not in launch.parse_shape("32x1dsep")
 
 
 def test_mamba2_steps_never_load_before_the_refresh():

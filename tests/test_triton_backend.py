@@ -144,7 +144,8 @@ def test_split_refresh_launch_matches_the_fused_kernel_bit_for_bit(arch, precisi
     """The refresh in a launch of its own (launch.TUNING["split_refresh"]) computes the same
     checkpoint and outputs as the fused step kernel, stochastic rounding included, with the cursor
     copied early (the default) or loaded by each kernel, and with the refresh launch one program
-    per tile (the default) or persistent (a few programs loop over the refreshing slots' tiles);
+    per tile (the default) or persistent (a few programs loop over the refreshing slots' tiles, or
+    one program per tile of ceil(b T / L) slots);
     the fused one must differ once a refresh is skipped, so the comparison can fail."""
     from replayssm._triton import launch
 
@@ -156,7 +157,8 @@ def test_split_refresh_launch_matches_the_fused_kernel_bit_for_bit(arch, precisi
     runs = []
     for tuning in (dict(split_refresh=False), dict(split_refresh=True), dict(split_refresh=True, early_cursor=False),
                    dict(split_refresh=False, early_cursor=False),
-                   dict(split_refresh=True, persistent_refresh=True)):
+                   dict(split_refresh=True, persistent_refresh=True),
+                   dict(split_refresh=True, persistent_refresh=True, refresh_programs=0)):
         cache = layer.cache(3, window=4, max_draft=2, precision=precision)
         cache.load_state(slots, state)
         launch.TUNING.update(tuning)

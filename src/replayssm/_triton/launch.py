@@ -199,7 +199,8 @@ def check_geometry(cache):
 #: Launch-shape overrides, for benchmark sweeps: {"block_rows": int, "num_warps": int,
 #: "refresh_dot": bool, "split_refresh": bool, "early_cursor": bool, "output_dot": bool,
 #: "refresh_rows": int, "refresh_warps": int, "persistent_refresh": bool, "refresh_columns": int,
-#: "pdl": bool, "fp_fusion": bool, "pin_vector_width": bool, "step_pin": int, "loads": int};
+#: "pdl": bool, "fp_fusion": bool, "pin_vector_width": bool, "step_pin": int, "loads": int,
+#: "refresh_programs": int};
 #: ``parse_shape`` reads them from a label. Each default is the faster one measured
 #: (BENCHMARKS.md) among those that keep the anchor's bits: ``early_cursor`` on (``cursor_args``),
 #: ``output_dot`` by draft length (``OUTPUT_DOT_MIN_DRAFT``), ``refresh_dot`` off for GDN
@@ -269,8 +270,10 @@ def parse_shape(text: str) -> dict:
     pinned to that many elements per thread ("v0": unpinned; without "v", the pin of ``SHAPES``
     or ``DRAFT_SHAPES`` for the preset and draft length); then "f" and a number: the step's load
     order (``LOAD_ORDERS``; without "f", the tables'; "f" alone: 2); after "/",
-    the refresh launch's rows x warps; after "@", the columns a Mamba-2 refresh folds at a time.
-    E.g. "32x4dsep/16x2", "32x2dse@64", "32x2dsel", "32x1sev16/16x2", "32x1dsev16f1"."""
+    the refresh launch's rows x warps; after "@", the columns a Mamba-2 refresh folds at a time;
+    after "#", a persistent refresh launch's programs (``refresh_grid``). E.g. "32x4dsep/16x2",
+    "32x2dse@64", "32x2dsel", "32x1sev16/16x2", "32x1dsev16f1", "32x1se/16x2#0"."""
+    text, hash_, programs = text.partition("#")
     text, _, columns = text.partition("@")
     text, _, refresh = text.partition("/")
     text, f, loads = text.partition("f")
@@ -293,6 +296,8 @@ def parse_shape(text: str) -> dict:
         out["refresh_rows"], out["refresh_warps"] = map(int, refresh.split("x"))
     if columns:  # "32x2dse@64": a Mamba-2 refresh folds 64 columns at a time
         out["refresh_columns"] = int(columns)
+    if hash_:  # "32x1dse#16": persistent refresh, 16 programs per multiprocessor ("#0": by slots)
+        out["persistent_refresh"], out["refresh_programs"] = True, int(programs)
     return out
 
 
@@ -417,27 +422,34 @@ def output_dot(cache, arch: str, T: int) -> bool:
 REFRESH_PROGRAMS_PER_SM = 8
 
 
-def refresh_grid(device, grid: tuple) -> tuple[tuple, bool]:
+def refresh_grid(device, grid: tuple, T: int = 1, L: int = 16) -> tuple[tuple, bool]:
     """(grid, PERSISTENT) of the split refresh launch, given the one-program-per-tile grid (row
-    blocks, heads, batch rows). Persistent (``TUNING["persistent_refresh"]``, off by default): a
-    fixed number of programs, REFRESH_PROGRAMS_PER_SM per multiprocessor (3 on the CPU, so the
-    interpreter tests run programs that loop over several tiles), loop over the tiles of the
-    slots that refresh, found on the device (``window.refresh_plan``): no host sync, and no
-    programs for the 15/16 of the slots that do not refresh in a staggered step. Measured on an
-    H200 at batch 256 (us per step, one program per tile -> persistent): faster for Mamba-2
-    decode (s32_rs 379.8 -> 373.6, tp8_hi32 308.8 -> 278.9), slower elsewhere (Mamba-2 T=4
-    1031 -> 1126, tp4_hi16_sr 435 -> 460; GDN tp8_hi32 451 -> 481, T=4 1483 -> 1555, every slot
-    refreshing 1903 -> 2285), so off until its program count is tuned. With the Mamba-2 refresh in
-    column slices (fifth session): s32_rs 356.7 -> 350.0, tp8_hi32 269.2 -> 251.7, but tp16_hi32
-    259.6 -> 280.0 and T=4 978 -> 1012."""
+    blocks, heads, batch rows) of a step of T tokens in windows of L. Persistent
+    (``TUNING["persistent_refresh"]``, off by default): a fixed number of programs loop over the
+    tiles of the slots that refresh, found on the device (``window.refresh_plan``): no host sync,
+    and no programs for the slots that do not refresh. ``TUNING["refresh_programs"]`` sets how
+    many: n > 0 = n per multiprocessor (default REFRESH_PROGRAMS_PER_SM; 3 in all on the CPU, so
+    the interpreter tests run programs that loop over several tiles); 0 = one per tile of
+    ceil(b T / L) slots, the share of a batch at staggered positions that refreshes in one step
+    (each program then takes one tile when the slots are staggered, and L / T in turn when they
+    all refresh together). Measured on an H200 at batch 256 (us per step, one program per tile
+    -> persistent at 8 per multiprocessor): faster for Mamba-2 decode (s32_rs 379.8 -> 373.6,
+    tp8_hi32 308.8 -> 278.9), slower elsewhere (Mamba-2 T=4 1031 -> 1126, tp4_hi16_sr 435 -> 460;
+    GDN tp8_hi32 451 -> 481, T=4 1483 -> 1555, every slot refreshing 1903 -> 2285). With the
+    Mamba-2 refresh in column slices (fifth session): s32_rs 356.7 -> 350.0, tp8_hi32 269.2 ->
+    251.7, but tp16_hi32 259.6 -> 280.0 and T=4 978 -> 1012; ninth session s32_rs 344.5 -> 336.9
+    but every slot refreshing 875.9 -> 1025.5."""
     if not TUNING.get("persistent_refresh", False):
         return grid, False
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        programs = sms * REFRESH_PROGRAMS_PER_SM
+    tiles = grid[0] * grid[1] * grid[2]
+    per_sm = TUNING.get("refresh_programs", REFRESH_PROGRAMS_PER_SM)
+    if per_sm == 0:
+        programs = grid[0] * grid[1] * -(-grid[2] * T // L)
+    elif device.type == "cuda":
+        programs = torch.cuda.get_device_properties(device).multi_processor_count * per_sm
     else:
         programs = 3
-    return (min(programs, grid[0] * grid[1] * grid[2]),), True
+    return (max(1, min(programs, tiles)),), True
 
 
 #: Smallest batch that gets the refresh in a launch of its own, by architecture. Smaller batches

@@ -387,7 +387,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     grid = (V // bv, HV, b)
     if split:
         rbv, rwarps = launch.refresh_shape(cache, "gdn", bv, warps)
-        rgrid, persistent = launch.refresh_grid(v.device, (V // rbv, HV, b))
+        rgrid, persistent = launch.refresh_grid(v.device, (V // rbv, HV, b), T, cache.window)
         launch.run(_gdn_refresh_kernel, rgrid, slots, cache.committed, cursors, cache.tokens,
                    cache.seeds, gram, *anchor, *read, buf["k"], buf["v"], buf["g"], buf["beta"], cache.scratch_row, HV,
                    HK, b, T=T, L=cache.window, LP=LP, DV=V, DK=cache.head_k_dim, BV=rbv, KC=kc, EARLY_CURSOR=early,
