@@ -227,7 +227,9 @@ def test_mamba2_refresh_in_column_chunks_matches_whole_rows(precision):
     """A Mamba-2 refresh folds and encodes 32 columns at a time (launch.refresh_columns): at
     dstate 64 that is two passes, each with its own fp8 scale blocks, and it must give the bits
     of one pass over whole rows (the same arithmetic per element), split or fused, and agree
-    with the float64 recurrence; a pass skipped or a scale block misplaced would not."""
+    with the float64 recurrence, with each slice's loads issued before the previous slice's
+    stores (launch.refresh_ahead) or after; a pass skipped, a slice loaded twice or a scale
+    block misplaced would not."""
     from replayssm._triton import launch
 
     base = helpers.make_layer("mamba2", 0, nheads=2, headdim=16, dstate=64, ngroups=1)
@@ -238,7 +240,9 @@ def test_mamba2_refresh_in_column_chunks_matches_whole_rows(precision):
     state = torch.randn(2, *base.state_shape, generator=g)
     toks = [base.tokens(g, 2, 1) for _ in range(6)]  # window 4: steps 5 and 6 refresh
     snaps = []
-    for tuning in (dict(refresh_columns=64), dict(refresh_columns=32), dict(refresh_columns=32, split_refresh=True)):
+    for tuning in (dict(refresh_columns=64), dict(refresh_columns=32), dict(refresh_columns=32, split_refresh=True),
+                   dict(refresh_columns=32, refresh_ahead=True),
+                   dict(refresh_columns=32, split_refresh=True, refresh_ahead=True)):
         cache = base.cache(2, window=4, max_draft=1, precision=precision)
         cache.load_state(slots, state)
         launch.TUNING.update(tuning)
