@@ -200,7 +200,7 @@ def check_geometry(cache):
 #: "refresh_dot": bool, "split_refresh": bool, "early_cursor": bool, "output_dot": bool,
 #: "refresh_rows": int, "refresh_warps": int, "persistent_refresh": bool, "refresh_columns": int,
 #: "pdl": bool, "fp_fusion": bool, "pin_vector_width": bool, "step_pin": int, "loads": int,
-#: "refresh_programs": int, "refresh_ahead": bool, "lazy_decay": bool};
+#: "refresh_programs": int, "refresh_ahead": bool};
 #: ``parse_shape`` reads them from a label. Each default is the faster one measured
 #: (BENCHMARKS.md) among those that keep the anchor's bits: ``early_cursor`` on (``cursor_args``),
 #: ``output_dot`` by draft length (``OUTPUT_DOT_MIN_DRAFT``), ``refresh_dot`` off for GDN
@@ -267,7 +267,7 @@ def parse_shape(text: str) -> dict:
     persistent refresh launch, ``l`` = programmatic dependent launch (``programmatic``), ``n`` = no
     contraction of a * b + c into fma by the compiler (``enable_fp_fusion=False``), ``u`` = GDN
     refresh unpinned (``pin_vector_width``), ``a`` = Mamba-2 refresh loads a slice ahead
-    (``refresh_ahead``), ``z`` = GDN lazy decay (``lazy_decay``); then "v" and a number: the step's read-copy load
+    (``refresh_ahead``); then "v" and a number: the step's read-copy load
     pinned to that many elements per thread ("v0": unpinned; without "v", the pin of ``SHAPES``
     or ``DRAFT_SHAPES`` for the preset and draft length); then "f" and a number: the step's load
     order (``LOAD_ORDERS``; without "f", the tables'; "f" alone: 2); after "/",
@@ -279,7 +279,7 @@ def parse_shape(text: str) -> dict:
     text, _, refresh = text.partition("/")
     text, f, loads = text.partition("f")
     text, _, step_pin = text.partition("v")
-    base = text.rstrip("dseoplnuaz")
+    base = text.rstrip("dseoplnua")
     rows, warps = map(int, base.split("x"))
     flags = text[len(base):]
     out = dict(block_rows=rows, num_warps=warps, refresh_dot="d" in flags, split_refresh="s" in flags,
@@ -291,8 +291,6 @@ def parse_shape(text: str) -> dict:
         out["pin_vector_width"] = False
     if "a" in flags:
         out["refresh_ahead"] = True
-    if "z" in flags:
-        out["lazy_decay"] = True
     if step_pin:  # "32x1dsev16": the step kernel's read-copy tile loads >= 16 elements per thread
         out["step_pin"] = int(step_pin)
     if f:  # "32x1dsef1": the step program's other loads before its output loop (LOAD_ORDERS); "f" alone: 2
@@ -387,14 +385,6 @@ def refresh_shape(cache, arch: str, rows: int, warps: int) -> tuple[int, int]:
     if not _uses_nvfp4(cache):  # NVFP4 programs own one scale block of rows: the step's shape
         rows, warps = REFRESH_SHAPES.get(arch, (rows, warps))
     return _tile_rows(cache, TUNING.get("refresh_rows", rows)), TUNING.get("refresh_warps", warps)
-
-
-def lazy_decay() -> bool:
-    """Whether the GDN token-loop refresh keeps the gates' running product apart from the tile
-    (``gdn.triton._fold_tokens_lazy``: two multiply-adds per element and token instead of three;
-    ncu found that refresh issue-bound). Other rounding than the conventional loop's, the same
-    for every read format. ``TUNING["lazy_decay"]`` overrides the default."""
-    return TUNING.get("lazy_decay", False)
 
 
 def refresh_ahead() -> bool:

@@ -95,49 +95,12 @@ def _fold_tokens(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, khead, h, rv, 
     for jj in tl.static_range(L):
         tok_j = row * L + jj
         m = jj < h
-        kr = tl.load(bk_ptr + (tok_j * HK + khead) * DK + ck[None, :] + 0 * rv[:, None], mask=m & (ck[None, :] < DK),
-                     other=0.0).to(tl.float32)
+        kr = tl.load(bk_ptr + (tok_j * HK + khead) * DK + ck, mask=m & (ck < DK), other=0.0).to(tl.float32)
         vr = tl.load(bv_ptr + (tok_j * HV + head) * DV + rv, mask=m & (rv < DV), other=0.0).to(tl.float32)
         S = S * tl.exp(tl.load(bg_ptr + tok_j * HV + head, mask=m, other=0.0))
-        u = tl.load(bbeta_ptr + tok_j * HV + head, mask=m, other=0.0) * (vr - tl.sum(S * kr, 1))
-        S += u[:, None] * kr
+        u = tl.load(bbeta_ptr + tok_j * HV + head, mask=m, other=0.0) * (vr - tl.sum(S * kr[None, :], 1))
+        S += u[:, None] * kr[None, :]
     return S
-
-
-#: Smallest running decay the lazy token loop (``_fold_tokens_lazy``) carries apart from its
-#: tile before folding it in: 2^-40 keeps u / c, and so the tile, far from fp32 overflow.
-LAZY_DECAY_FLOOR = tl.constexpr(2.0 ** -40)
-
-
-@triton.jit
-def _fold_tokens_lazy(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, khead, h, rv, HV, HK, L: tl.constexpr,
-                      DV: tl.constexpr, DK: tl.constexpr):
-    """``_fold_tokens`` with the decay kept apart from the tile: S_t = c_t R_t with c_t the
-    running product of the gates, so a token costs two multiply-adds per element (R k and the
-    rank-1 update) instead of three:
-
-        p = R k_t;  c = c alpha_t;  u = beta_t (v_t - c p);  R += (u / c) k_t^T
-
-    and the rows are c R at the end. The gate is one value per head, so c is one scalar per
-    program; when it falls below ``LAZY_DECAY_FLOOR`` (strong gates, or alpha = 0) it is folded
-    into the tile (R = c R, c = 1), on every row at once, so u / c stays finite."""
-    ck = tl.arange(0, DK)
-    c = 1.0
-    for jj in tl.static_range(L):
-        tok_j = row * L + jj
-        m = jj < h
-        kr = tl.load(bk_ptr + (tok_j * HK + khead) * DK + ck[None, :] + 0 * rv[:, None], mask=m & (ck[None, :] < DK),
-                     other=0.0).to(tl.float32)
-        vr = tl.load(bv_ptr + (tok_j * HV + head) * DV + rv, mask=m & (rv < DV), other=0.0).to(tl.float32)
-        c = c * tl.exp(tl.load(bg_ptr + tok_j * HV + head, mask=m, other=0.0))
-        u = tl.load(bbeta_ptr + tok_j * HV + head, mask=m, other=0.0) * (vr - c * tl.sum(S * kr, 1))
-        small = c < LAZY_DECAY_FLOOR
-        if small:  # the same for every program of a head: a uniform branch, rarely taken
-            tl.debug_barrier()
-            S = S * c
-        c = tl.where(small, 1.0, c)
-        S += (u * (1.0 / c))[:, None] * kr  # one reciprocal per token, not one per row
-    return S * c
 
 
 @triton.jit
@@ -198,7 +161,7 @@ def _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_pt
                       LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
                       A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
                       SHARED: tl.constexpr, REFRESH_DOT: tl.constexpr, FROM_READ: tl.constexpr,
-                      PIN: tl.constexpr = False, LAZY: tl.constexpr = False):
+                      PIN: tl.constexpr = False):
     """Refresh rows pid_v * BV ... of one head of storage row ``row`` (h committed entries,
     batch row ``pid_b``): by substitution on tensor cores (REFRESH_DOT) or token by token. FROM_READ:
     the step kernel's read-copy rows ``ra`` serve as the anchor's where they are the same values
@@ -221,10 +184,7 @@ def _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_pt
             S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
         if PIN:
             pin_vector_width(av_ptr, mat, rv, ck, h < 0, DV, DK)
-        if LAZY:
-            S = _fold_tokens_lazy(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, khead, h, rv, HV, HK, L, DV, DK)
-        else:
-            S = _fold_tokens(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, khead, h, rv, HV, HK, L, DV, DK)
+        S = _fold_tokens(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, khead, h, rv, HV, HK, L, DV, DK)
         # the seed and counter loaded after the fold: loaded before it, NVFP4 steps measured 10% slower
         write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck,
                          tl.load(seeds_ptr + row), tl.load(tokens_ptr + row), DV, DK, A_FMT, A_SR, R_FMT, R_SR,
@@ -239,8 +199,7 @@ def _gdn_refresh_kernel(
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
         BV: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr,
         R_SR: tl.constexpr, SHARED: tl.constexpr, EARLY_CURSOR: tl.constexpr, REFRESH_DOT: tl.constexpr,
-        PERSISTENT: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr, PIN: tl.constexpr = False,
-        LAZY: tl.constexpr = False):
+        PERSISTENT: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr, PIN: tl.constexpr = False):
     """The refresh alone (the step kernel then runs with FUSED_REFRESH=False). PERSISTENT: a
     fixed number of programs loop over the row blocks of the refreshing slots only
     (``launch.refresh_grid``); otherwise one program per (row block, head, batch row), and those
@@ -254,7 +213,7 @@ def _gdn_refresh_kernel(
                                                       HV)
             _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr, av_ptr, as_ptr, ag_ptr,
                               rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, 0.0, HV, HK, L, LP, DV, DK, BV,
-                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, False, PIN, LAZY)
+                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, False, PIN)
             w += tl.num_programs(0)
     else:
         pid_v, head, pid_b, row, h, need = refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T, L,
@@ -262,7 +221,7 @@ def _gdn_refresh_kernel(
         if need:
             _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr, av_ptr, as_ptr, ag_ptr,
                               rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, 0.0, HV, HK, L, LP, DV, DK, BV,
-                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, False, PIN, LAZY)
+                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, False, PIN)
 
 
 @triton.jit
@@ -316,7 +275,7 @@ def _gdn_step_kernel(
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, FUSED_REFRESH: tl.constexpr, EARLY_CURSOR: tl.constexpr, OUTPUT_DOT: tl.constexpr,
         QP: tl.constexpr, REFRESH_DOT: tl.constexpr, PDL: tl.constexpr, STEP_PIN: tl.constexpr = 0,
-        LOADS: tl.constexpr = 0, LAZY: tl.constexpr = False):
+        LOADS: tl.constexpr = 0):
     after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -345,7 +304,7 @@ def _gdn_step_kernel(
         if need:  # refresh: re-solve the committed residuals from the anchor
             _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr, av_ptr, as_ptr, ag_ptr,
                               rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, ra, HV, HK, L, LP, DV, DK, BV,
-                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, True, False, LAZY)
+                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, True)
             tl.debug_barrier()  # read back, as after a split refresh (write_checkpoint says why)
             ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
     h = h_win
@@ -433,7 +392,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
                    cache.seeds, gram, *anchor, *read, buf["k"], buf["v"], buf["g"], buf["beta"], cache.scratch_row, HV,
                    HK, b, T=T, L=cache.window, LP=LP, DV=V, DK=cache.head_k_dim, BV=rbv, KC=kc, EARLY_CURSOR=early,
                    REFRESH_DOT=refresh_dot, PERSISTENT=persistent, BP=triton.next_power_of_2(b), num_warps=rwarps,
-                   PIN=launch.pin_vector_width(), LAZY=launch.lazy_decay(),
+                   PIN=launch.pin_vector_width(),
                    **consts)
     launch.run(
         _gdn_step_kernel, grid,
@@ -443,7 +402,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
         T=T, L=cache.window, LP=LP, DV=V,
         DK=cache.head_k_dim, BV=bv, KC=kc, FUSED_REFRESH=not split, EARLY_CURSOR=early,
         OUTPUT_DOT=launch.output_dot(cache, "gdn", T), QP=max(16, triton.next_power_of_2(2 * T)),
-        REFRESH_DOT=refresh_dot, STEP_PIN=pin, LOADS=loads, LAZY=launch.lazy_decay(),
+        REFRESH_DOT=refresh_dot, STEP_PIN=pin, LOADS=loads,
         num_warps=warps, **consts)
     launch.advance(cache, slots, T, commit, {"k": k, "g": g, "beta": beta})
     return o
