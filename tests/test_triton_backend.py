@@ -70,14 +70,16 @@ def _with_next_order(step, orders, *args):
                                            ("mamba2", "late_cursor"), ("gdn", "late_cursor"),
                                            ("mamba2", "output_dot"), ("gdn", "output_dot"),
                                            ("mamba2", "load_order"), ("gdn", "load_order"),
+                                           ("mamba2", "stream"), ("gdn", "stream"),
                                            ("mamba2", "all_experiments"), ("gdn", "all_experiments")])
 def test_triton_s32_matches_float64_reference(arch, variant):
     """Both refresh folds (Mamba-2: tensor-core products, the default, or token by token; GDN:
     token by token, the default, or forward substitution with tensor-core products), with the
     cursor loaded by the step kernels (the early cursor is the default) and the outputs' products
     on tensor cores at every T (the default only from launch.OUTPUT_DOT_MIN_DRAFT), with the step
-    programs' loads in the order the defaults do not use (``launch.preload``), fused refresh, through
-    decode and verify rounds."""
+    programs' loads in the order the defaults do not use (``launch.preload``), fused refresh, with
+    the read copy streamed through the products (``launch.stream_stages``), through decode and
+    verify rounds."""
     from replayssm._triton import launch
 
     layer = TritonLayer(arch)
@@ -93,6 +95,8 @@ def test_triton_s32_matches_float64_reference(arch, variant):
         orders = itertools.cycle(launch.LOAD_ORDERS)
         for name in ("decode", "verify"):
             setattr(tr, name, functools.partial(_with_next_order, getattr(tr, name), orders))
+    elif variant == "stream":  # the read copy streamed through tensor-core products (launch.stream_stages)
+        launch.TUNING.update(output_dot=True, stream=2, split_refresh=True)
     elif variant == "all_experiments":  # as the next sweep will combine them
         launch.TUNING.update(early_cursor=True, output_dot=True, refresh_dot=True, split_refresh=True)
     else:
@@ -266,7 +270,8 @@ def test_mamba2_refresh_in_column_chunks_matches_whole_rows(precision):
 def test_output_products_on_tensor_cores_keep_the_anchor_and_the_outputs(arch, precision):
     """launch.TUNING["output_dot"] (the read-copy products of a step's queries as one tensor-core
     product over the dequantized read copy) changes only the outputs' last bits: block-scaled
-    read copies decode to the same values, and the anchor never sees the read path."""
+    read copies decode to the same values, and the anchor never sees the read path. The same
+    with the read copy streamed 32 columns at a time (``launch.stream_stages``; not NVFP4)."""
     from replayssm._triton import launch
 
     layer = TritonLayer(arch)
@@ -275,10 +280,11 @@ def test_output_products_on_tensor_cores_keep_the_anchor_and_the_outputs(arch, p
     state = torch.randn(3, *layer.state_shape, generator=g)
     toks = [layer.tokens(g, 3, 2 if i % 3 == 2 else 1) for i in range(9)]
     runs = []
-    for dot in (False, True):
+    for tuning in (dict(output_dot=False), dict(output_dot=True),
+                   dict(output_dot=True, stream=2, split_refresh=True)):  # streamed (launch.stream_stages)
         cache = layer.cache(3, window=4, max_draft=2, precision=precision)
         cache.load_state(slots, state)
-        launch.TUNING["output_dot"] = dot
+        launch.TUNING.update(tuning)
         try:
             ys = []
             for tok in toks:
@@ -289,10 +295,46 @@ def test_output_products_on_tensor_cores_keep_the_anchor_and_the_outputs(arch, p
             runs.append((torch.cat(ys), cache.materialize(slots)))
         finally:
             launch.TUNING.clear()
-    (y0, a0), (y1, a1) = runs
+    (y0, a0), (y1, a1), (y2, a2) = runs
     assert not torch.equal(y0, y1)  # the products really took the other path
+    for y, a in ((y1, a1), (y2, a2)):
+        assert (y0 - y).abs().max() <= 1e-5 * y0.abs().max()
+        assert torch.equal(a0[[0, 2]], a[[0, 2]])
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
+@pytest.mark.parametrize("precision", ["s32_rs", "tp8_hi32"])
+def test_streamed_products_over_several_chunks(arch, precision):
+    """At dk = 64 a streamed step (launch.stream_stages) accumulates its read-copy products over
+    two 32-column chunks, each with its own fp8 block scales: outputs as the whole-tile product's
+    to fp32 rounding, the same anchor. A chunk read twice or a scale block misplaced would not."""
+    from replayssm._triton import launch
+
+    geometry = {"mamba2": dict(nheads=2, headdim=16, dstate=64, ngroups=1),
+                "gdn": dict(num_k_heads=1, num_v_heads=2, head_k_dim=64, head_v_dim=16)}[arch]
+    base = helpers.make_layer(arch, 0, **geometry)
+    layer = TritonLayer(arch)
+    layer.base, layer.state_shape = base, base.state_shape
+    g = helpers.generator(29)
+    slots = torch.tensor([1, 0])
+    state = torch.randn(2, *base.state_shape, generator=g)
+    toks = [base.tokens(g, 2, 2) for _ in range(5)]  # window 4, verify rounds of 2: rounds 3 and 5 refresh
+    runs = []
+    for stream in (0, 2):
+        cache = base.cache(2, window=4, max_draft=2, precision=precision)
+        cache.load_state(slots, state)
+        launch.TUNING.update(output_dot=True, split_refresh=True, stream=stream)
+        try:
+            ys = []
+            for tok in toks:
+                ys.append(layer.run(cache, slots, tok, True))
+                cache.accept(slots, torch.tensor([2, 1]))
+        finally:
+            launch.TUNING.clear()
+        runs.append((torch.cat(ys), cache.materialize(slots)))
+    (y0, a0), (y1, a1) = runs
     assert (y0 - y1).abs().max() <= 1e-5 * y0.abs().max()
-    assert torch.equal(a0[[0, 2]], a1[[0, 2]])
+    assert torch.equal(a0, a1)
 
 
 @pytest.mark.parametrize("arch", ["mamba2", "gdn"])

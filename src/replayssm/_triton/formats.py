@@ -272,6 +272,31 @@ def products_on_tensor_cores(va, vb, sc, Q, FMT: tl.constexpr):
 
 
 @triton.jit
+def streamed_products(v_ptr, s_ptr, mat, rv, a_ptr, b_ptr, pid_b, NH, hidx, T: tl.constexpr, ROWS: tl.constexpr,
+                      DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr, QP: tl.constexpr, KB: tl.constexpr,
+                      STAGES: tl.constexpr):
+    """``products_on_tensor_cores`` without the read copy's tile in registers: S_read Q^T [BV, QP]
+    accumulated over KB columns at a time, in a loop that Triton software-pipelines (STAGES
+    chunks in flight through shared memory), so a program holds one [BV, KB] chunk instead of
+    [BV, DK]. Query row r < T is token r of ``a_ptr``, T <= r < ROWS (ROWS = T or 2T) token
+    r - T of ``b_ptr`` (both [b, T, NH, DK], head ``hidx``), other rows zero. Element-wise
+    formats and fp8 (KB = 32: one block scale per row and chunk); not NVFP4."""
+    row = mat * DV + rv
+    r = tl.arange(0, QP)[:, None]
+    at = ((pid_b * T + r % T) * NH + hidx) * DK
+    acc = tl.zeros((rv.shape[0], QP), dtype=tl.float32)
+    for k0 in tl.range(0, DK, KB, num_stages=STAGES):
+        cols = k0 + tl.arange(0, KB)
+        S = tl.load(v_ptr + row[:, None] * DK + cols[None, :]).to(tl.float32)
+        if FMT == 3:
+            S = S * tl.load(s_ptr + row * (DK // 32) + k0 // 32)[:, None]
+        Q = tl.where(r < T, tl.load(a_ptr + at + cols[None, :], mask=r < T, other=0.0),
+                     tl.load(b_ptr + at + cols[None, :], mask=(r >= T) & (r < ROWS), other=0.0)).to(tl.float32)
+        acc = tl.dot(S, tl.trans(Q), acc, input_precision="tf32x3")
+    return acc
+
+
+@triton.jit
 def column(Y, c):
     """Column ``c`` of Y [BV, QP] as [BV]."""
     return tl.sum(tl.where(tl.arange(0, Y.shape[1])[None, :] == c, Y, 0.0), 1)

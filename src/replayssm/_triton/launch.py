@@ -200,7 +200,7 @@ def check_geometry(cache):
 #: "refresh_dot": bool, "split_refresh": bool, "early_cursor": bool, "output_dot": bool,
 #: "refresh_rows": int, "refresh_warps": int, "persistent_refresh": bool, "refresh_columns": int,
 #: "pdl": bool, "fp_fusion": bool, "pin_vector_width": bool, "step_pin": int, "loads": int,
-#: "refresh_programs": int, "refresh_ahead": bool};
+#: "refresh_programs": int, "refresh_ahead": bool, "stream": int};
 #: ``parse_shape`` reads them from a label. Each default is the faster one measured
 #: (BENCHMARKS.md) among those that keep the anchor's bits: ``early_cursor`` on (``cursor_args``),
 #: ``output_dot`` by draft length (``OUTPUT_DOT_MIN_DRAFT``), ``refresh_dot`` off for GDN
@@ -267,7 +267,8 @@ def parse_shape(text: str) -> dict:
     persistent refresh launch, ``l`` = programmatic dependent launch (``programmatic``), ``n`` = no
     contraction of a * b + c into fma by the compiler (``enable_fp_fusion=False``), ``u`` = GDN
     refresh unpinned (``pin_vector_width``), ``a`` = Mamba-2 refresh loads a slice ahead
-    (``refresh_ahead``); then "v" and a number: the step's read-copy load
+    (``refresh_ahead``); then "k" and a number: the step streams its read copy with that many
+    chunks in flight (``stream_stages``; "k" alone: 2); then "v" and a number: the step's read-copy load
     pinned to that many elements per thread ("v0": unpinned; without "v", the pin of ``SHAPES``
     or ``DRAFT_SHAPES`` for the preset and draft length); then "f" and a number: the step's load
     order (``LOAD_ORDERS``; without "f", the tables'; "f" alone: 2); after "/",
@@ -279,6 +280,7 @@ def parse_shape(text: str) -> dict:
     text, _, refresh = text.partition("/")
     text, f, loads = text.partition("f")
     text, _, step_pin = text.partition("v")
+    text, k, stages = text.partition("k")
     base = text.rstrip("dseoplnua")
     rows, warps = map(int, base.split("x"))
     flags = text[len(base):]
@@ -293,6 +295,8 @@ def parse_shape(text: str) -> dict:
         out["refresh_ahead"] = True
     if step_pin:  # "32x1dsev16": the step kernel's read-copy tile loads >= 16 elements per thread
         out["step_pin"] = int(step_pin)
+    if k:  # "64x4seok3": the read copy streamed through tensor-core products, 3 chunks in flight
+        out["stream"] = int(stages or 2)
     if f:  # "32x1dsef1": the step program's other loads before its output loop (LOAD_ORDERS); "f" alone: 2
         out["loads"] = int(loads or 2)
     if refresh:  # "64x4s/16x2": the split refresh launch at 16 rows x 2 warps
@@ -429,6 +433,19 @@ def output_dot(cache, arch: str, T: int) -> bool:
     least = OUTPUT_DOT_MIN_DRAFT[arch]
     default = least is not None and T >= least and cache.precision.read_format.name != "nvfp4"
     return TUNING.get("output_dot", default)
+
+
+def stream_stages(cache, arch: str, T: int, split: bool) -> int:
+    """Chunks in flight when a step streams its read copy through ``formats.streamed_products``
+    (its read-copy products on tensor cores, 32 columns at a time in a software-pipelined
+    loop, so the program never holds the whole [rows, K] tile), or 0: the tile is loaded whole
+    (``formats.load_read``). Only with the outputs' products on tensor cores (``output_dot``), an
+    element-wise or fp8 read copy, and the refresh in its own launch (a fused refresh folds from
+    the loaded tile). ``TUNING["stream"]`` sets it; off by default."""
+    stages = TUNING.get("stream", 0)
+    if not (stages and split and output_dot(cache, arch, T)) or cache.precision.read_format.name == "nvfp4":
+        return 0
+    return stages
 
 
 #: Programs per multiprocessor of a persistent refresh launch (``refresh_grid``).

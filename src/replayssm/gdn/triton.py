@@ -33,7 +33,7 @@ from .._triton.decay import segment_to, suffix_sums
 from .._triton.window import (cursor_of, early_cursor, refresh_item, refresh_plan, refresh_program, slot_cursor,
                               slot_row, window_rows, window_scalars)
 from .._triton.formats import (anchor_rows, column, pin_vector_width, load_query, load_read, load_tile, matvec,
-                               products_on_tensor_cores, write_checkpoint)
+                               products_on_tensor_cores, streamed_products, write_checkpoint)
 
 
 
@@ -275,7 +275,7 @@ def _gdn_step_kernel(
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, FUSED_REFRESH: tl.constexpr, EARLY_CURSOR: tl.constexpr, OUTPUT_DOT: tl.constexpr,
         QP: tl.constexpr, REFRESH_DOT: tl.constexpr, PDL: tl.constexpr, STEP_PIN: tl.constexpr = 0,
-        LOADS: tl.constexpr = 0):
+        LOADS: tl.constexpr = 0, STREAM: tl.constexpr = 0):
     after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -288,13 +288,18 @@ def _gdn_step_kernel(
     ck = tl.arange(0, DK)
     j = tl.arange(0, LP)
     # the read copy in its own layout (the anchor itself when shared), issued before the cursor
-    # load so that the two latencies overlap; a refreshing program replaces it below
-    ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
+    # load so that the two latencies overlap; a refreshing program replaces it below. STREAM
+    # (launch.stream_stages): never whole, its products stream through streamed_products
+    QLOAD: tl.constexpr = OUTPUT_DOT and not STREAM
+    if STREAM:
+        ra, rb, rsc = 0.0, 0.0, 0.0
+    else:
+        ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
     h, need = cursor_of(committed_ptr, h_early, valid, row, T, L, EARLY_CURSOR)
     h_win = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
     if LOADS == 2:  # issued with the read copy's loads (launch.LOAD_ORDERS)
         g, U, Q = _window_loads(bg_ptr, bu_ptr, g_ptr, q_ptr, k_ptr, row, pid_b, head, khead, h_win, rv, HV, HK, T, L,
-                                LP, DV, DK, OUTPUT_DOT, QP)
+                                LP, DV, DK, QLOAD, QP)
         tokens_in = _token_loads(q_ptr, k_ptr, v_ptr, beta_ptr, scores_ptr, bv_ptr, pid_b, head, khead, rv, HV, HK,
                                  T, LP, DV, DK, R_FMT, OUTPUT_DOT)
     if STEP_PIN:
@@ -310,12 +315,16 @@ def _gdn_step_kernel(
     h = h_win
     if LOADS < 2:
         g, U, Q = _window_loads(bg_ptr, bu_ptr, g_ptr, q_ptr, k_ptr, row, pid_b, head, khead, h, rv, HV, HK, T, L,
-                                LP, DV, DK, OUTPUT_DOT, QP)
+                                LP, DV, DK, QLOAD, QP)
     if LOADS == 1:
         tokens_in = _token_loads(q_ptr, k_ptr, v_ptr, beta_ptr, scores_ptr, bv_ptr, pid_b, head, khead, rv, HV, HK,
                                  T, LP, DV, DK, R_FMT, OUTPUT_DOT)
     if OUTPUT_DOT:  # every S_read k_s and S_read q_s of the step in one product (launch.output_dot)
-        SQ = products_on_tensor_cores(ra, rb, rsc, Q, R_FMT)  # columns: k_0..k_{T-1}, q_0..q_{T-1}
+        if STREAM:  # columns: k_0..k_{T-1}, q_0..q_{T-1}
+            SQ = streamed_products(rv_ptr, rs_ptr, mat, rv, k_ptr, q_ptr, pid_b, HK, khead, T, 2 * T, DV, DK, R_FMT,
+                                   QP, 32, STREAM)
+        else:
+            SQ = products_on_tensor_cores(ra, rb, rsc, Q, R_FMT)
     for s in tl.static_range(T):
         t = h + s
         tok_in = pid_b * T + s
@@ -402,7 +411,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
         T=T, L=cache.window, LP=LP, DV=V,
         DK=cache.head_k_dim, BV=bv, KC=kc, FUSED_REFRESH=not split, EARLY_CURSOR=early,
         OUTPUT_DOT=launch.output_dot(cache, "gdn", T), QP=max(16, triton.next_power_of_2(2 * T)),
-        REFRESH_DOT=refresh_dot, STEP_PIN=pin, LOADS=loads,
+        REFRESH_DOT=refresh_dot, STEP_PIN=pin, LOADS=loads, STREAM=launch.stream_stages(cache, "gdn", T, split),
         num_warps=warps, **consts)
     launch.advance(cache, slots, T, commit, {"k": k, "g": g, "beta": beta})
     return o

@@ -29,7 +29,7 @@ from .._triton.decay import segment_to, suffix_sums
 from .._triton.window import (cursor_of, early_cursor, refresh_item, refresh_plan, refresh_program, slot_cursor,
                               slot_row, window_rows, window_scalars)
 from .._triton.formats import (column, load_query, load_read, load_tile, matvec, pin_vector_width,
-                               products_on_tensor_cores, write_checkpoint)
+                               products_on_tensor_cores, streamed_products, write_checkpoint)
 
 
 
@@ -235,7 +235,8 @@ def _mamba2_step_kernel(
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, REFRESH_DOT: tl.constexpr,
         FUSED_REFRESH: tl.constexpr, EARLY_CURSOR: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr,
-        PDL: tl.constexpr, STEP_PIN: tl.constexpr = 0, LOADS: tl.constexpr = 0, AHEAD: tl.constexpr = False):
+        PDL: tl.constexpr, STEP_PIN: tl.constexpr = 0, LOADS: tl.constexpr = 0, AHEAD: tl.constexpr = False,
+        STREAM: tl.constexpr = 0):
     after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -249,12 +250,17 @@ def _mamba2_step_kernel(
     j = tl.arange(0, LP)
     buf_tok = row * L + j  # [LP] buffer token index of this slot
     # the read copy in its own layout (the anchor itself when shared), issued before the cursor
-    # load so that the two latencies overlap; a refreshing program replaces it below
-    ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
+    # load so that the two latencies overlap; a refreshing program replaces it below. STREAM
+    # (launch.stream_stages): never whole, its products stream through streamed_products
+    QLOAD: tl.constexpr = OUTPUT_DOT and not STREAM
+    if STREAM:
+        ra, rb, rsc = 0.0, 0.0, 0.0
+    else:
+        ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
     h, need = cursor_of(committed_ptr, h_early, valid, row, T, L, EARLY_CURSOR)
     if LOADS == 2:  # issued with the read copy's loads (launch.LOAD_ORDERS)
         la, dt, X, Q = _window_loads(bx_ptr, bdt_ptr, bla_ptr, x_ptr, dt_ptr, la_ptr, C_ptr, row, pid_b, head, group,
-                                     tl.where(need, 0, h), rv, H, G, T, L, LP, DV, DK, OUTPUT_DOT, QP)
+                                     tl.where(need, 0, h), rv, H, G, T, L, LP, DV, DK, QLOAD, QP)
         tokens_in = _token_loads(x_ptr, C_ptr, D_ptr, z_ptr, scores_ptr, pid_b, head, group, rv, H, G, T, LP, DV,
                                  DK, R_FMT, HAS_D, HAS_Z, OUTPUT_DOT)
     if STEP_PIN:
@@ -273,12 +279,16 @@ def _mamba2_step_kernel(
     new = (j >= h) & (j < h + T)
     if LOADS < 2:
         la, dt, X, Q = _window_loads(bx_ptr, bdt_ptr, bla_ptr, x_ptr, dt_ptr, la_ptr, C_ptr, row, pid_b, head, group,
-                                     h, rv, H, G, T, L, LP, DV, DK, OUTPUT_DOT, QP)
+                                     h, rv, H, G, T, L, LP, DV, DK, QLOAD, QP)
     if LOADS == 1:
         tokens_in = _token_loads(x_ptr, C_ptr, D_ptr, z_ptr, scores_ptr, pid_b, head, group, rv, H, G, T, LP, DV,
                                  DK, R_FMT, HAS_D, HAS_Z, OUTPUT_DOT)
     if OUTPUT_DOT:  # every S_read C_s of the step in one tensor-core product (launch.output_dot)
-        SQ = products_on_tensor_cores(ra, rb, rsc, Q, R_FMT)
+        if STREAM:
+            SQ = streamed_products(rv_ptr, rs_ptr, mat, rv, C_ptr, C_ptr, pid_b, G, group, T, T, DV, DK, R_FMT, QP,
+                                   32, STREAM)
+        else:
+            SQ = products_on_tensor_cores(ra, rb, rsc, Q, R_FMT)
     for s in tl.static_range(T):  # y_s = gamma_t S_read q + sum_j gamma_{j+1:t} dt_j (k_j . q) x_j
         t = h + s
         q_tok = pid_b * T + s
@@ -362,7 +372,8 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
         DK=cache.dstate, BV=bv, KC=kc, HAS_D=D is not None, HAS_Z=z is not None,
         REFRESH_DOT=refresh_dot, FUSED_REFRESH=not split, EARLY_CURSOR=early,
         OUTPUT_DOT=launch.output_dot(cache, "mamba2", T), QP=max(16, triton.next_power_of_2(T)),
-        STEP_PIN=pin, LOADS=loads, AHEAD=launch.refresh_ahead(), num_warps=warps,
+        STEP_PIN=pin, LOADS=loads, AHEAD=launch.refresh_ahead(), STREAM=launch.stream_stages(cache, "mamba2", T, split),
+        num_warps=warps,
         **consts)
     launch.advance(cache, slots, T, commit, {"dt": dt, "log_alpha": log_alpha, "B": B})
     return y
