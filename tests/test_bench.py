@@ -251,7 +251,7 @@ def test_verify_steps_take_their_draft_shape_only_where_the_refresh_is_split():
     gdn_presets = {"fp32": "s32_rs", "fp16": "tp16_hi32", "bf16": "tpbf16_hi32", "fp8_e4m3": "tp8_hi32"}
     for fmt, preset in gdn_presets.items():
         cache = rs.GDNCache(1, 2, 4, 128, 128, precision=preset, device="meta")
-        (least, rows, warps, pin, loads), = launch.DRAFT_SHAPES[("gdn", fmt)]
+        (least, rows, warps, pin, loads), *_ = launch.DRAFT_SHAPES[("gdn", fmt)]
         step = launch.SHAPES[("gdn", fmt)]
         assert launch.launch_shape(cache, "gdn", least) == (rows, warps, step[2], pin, loads)
         assert launch.launch_shape(cache, "gdn", 1) == step == launch.launch_shape(cache, "gdn", least - 1)
@@ -298,6 +298,33 @@ def test_shape_labels_read_every_switch():
     t = launch.parse_shape("32x1sef2/16x2#0")
     assert (t["loads"], t["refresh_rows"], t["refresh_programs"]) == (2, 16, 0) and t["persistent_refresh"]
     assert "refresh_programs" not in launch.parse_shape("32x1dsep")
+    t = launch.parse_shape("64x4seok3/16x2")
+    assert (t["stream"], t["block_rows"], t["refresh_rows"]) == (3, 64, 16) and t["output_dot"]
+    assert launch.parse_shape("32x1sek")["stream"] == 2 and "stream" not in launch.parse_shape("32x1se")
+
+
+def test_only_gdn_verify_steps_stream_their_read_copy():
+    """``launch.STREAM_STAGES``: GDN steps of T >= 4 stream the read copy through tensor-core
+    products where those products are on (``output_dot``), the refresh is a launch of its own
+    and the read copy is not NVFP4; decode, short drafts and Mamba-2 load the tile whole."""
+    pytest.importorskip("triton")
+    import replayssm as rs
+    from replayssm._triton import launch
+
+    (least, stages), = launch.STREAM_STAGES["gdn"]
+    gdn = rs.GDNCache(1, 2, 4, 128, 128, precision="s32_rs", device="meta")
+    assert launch.stream_stages(gdn, "gdn", least, True) == stages > 0
+    assert launch.stream_stages(gdn, "gdn", least - 1, True) == 0
+    assert launch.stream_stages(gdn, "gdn", least, False) == 0  # a fused refresh folds from the tile
+    fp4 = rs.GDNCache(1, 2, 4, 128, 128, precision="tp4_hi32", device="meta")
+    assert launch.stream_stages(fp4, "gdn", least, True) == 0
+    m2 = rs.Mamba2Cache(1, 2, 64, 128, ngroups=1, precision="s32_rs", device="meta")
+    assert all(launch.stream_stages(m2, "mamba2", T, True) == 0 for T in (1, 4, 8))
+    try:
+        launch.TUNING["stream"] = 0
+        assert launch.stream_stages(gdn, "gdn", least, True) == 0
+    finally:
+        launch.TUNING.clear()
 
 
 def test_mamba2_steps_never_load_before_the_refresh():

@@ -346,12 +346,16 @@ def _tile_rows(cache, rows: int) -> int:
 #: call): s32_rs 690.7 -> 582.4, tp16_hi32 681.4 -> 587.4, tp8_hi32 740.7 -> 642.8; orders 1 / 2 in
 #: another call: s32_rs T=2 412.8 / 405.8, T=8 1140.7 / 1271.9, tpbf16_hi32 T=4 563.7 / 577.5;
 #: tp8_hi32 T=8 1443.7 at order 1 against 1271.7 for a draft of order 0, hence 0 from T=8. GDN T=4
-#: keeps order 0 (162 registers at 64x4; orders 1 and 2 took 217 and lost 6-11%).
+#: keeps order 0 (162 registers at 64x4; orders 1 and 2 took 217 and lost 6-11%). GDN steps of
+#: T >= 4 stream their read copy (``STREAM_STAGES``), with shapes measured streamed (tenth
+#: session, us per round at T=4 / T=8): fp32 64x4 933.9 (32x2 955.1, 32x4 1223.3) / 1426.6;
+#: fp16 32x2 1053.0 (64x4 1072.9), bf16 32x2 1056.7 (64x4 1079.3); fp8 32x1 937.9 (32x2 1021.1,
+#: 64x4 1094.2) / 64x4 1716.6 (32x1 1782.1).
 DRAFT_SHAPES = {("mamba2", "fp32"): ((2, 32, 1, 16, 1),),
                 ("mamba2", "fp16"): ((2, 32, 1, 16, 1),), ("mamba2", "bf16"): ((2, 32, 1, 16, 1),),
                 ("mamba2", "fp8_e4m3"): ((2, 32, 1, 0, 1), (8, 32, 1, 0, 0)),
-                ("gdn", "fp32"): ((4, 64, 4, 0, 0),), ("gdn", "fp16"): ((4, 64, 4, 0, 0),),
-                ("gdn", "bf16"): ((4, 64, 4, 0, 0),), ("gdn", "fp8_e4m3"): ((4, 32, 2, 0, 0),)}
+                ("gdn", "fp32"): ((4, 64, 4, 0, 0),), ("gdn", "fp16"): ((4, 32, 2, 0, 0),),
+                ("gdn", "bf16"): ((4, 32, 2, 0, 0),), ("gdn", "fp8_e4m3"): ((4, 32, 1, 0, 0), (8, 64, 4, 0, 0))}
 
 
 def launch_shape(cache, arch: str, T: int = 1) -> tuple[int, int, bool, int, int]:
@@ -435,14 +439,30 @@ def output_dot(cache, arch: str, T: int) -> bool:
     return TUNING.get("output_dot", default)
 
 
+#: Chunks in flight of a step that streams its read copy (``stream_stages``), by architecture:
+#: entries (least draft length, stages), the last applicable wins; none = never. H200, batch 256,
+#: staggered, us per round with the whole tile in registers -> streamed at 3 chunks
+#: (BENCHMARKS.md, tenth session): GDN T=4 s32_rs 1086.1 -> 933.9 (64x4; 162 -> 92 registers,
+#: ptxas), tp16_hi32 1152.0 -> 1053.0 (32x2), tp8_hi32 1157.2 -> 937.9 (32x1); T=8 s32_rs
+#: 2252.8 -> 1426.6, tp8_hi32 2123.2 -> 1716.6 (64x4); but GDN T=2 s32_rs 535.5 -> 601.8 and
+#: decode 415.8 -> 551.3 (against their row reductions), and Mamba-2 T=4, whose products are
+#: row reductions, s32_rs 594.2 -> 777.0 at best.
+STREAM_STAGES = {"mamba2": (), "gdn": ((4, 3),)}
+
+
 def stream_stages(cache, arch: str, T: int, split: bool) -> int:
     """Chunks in flight when a step streams its read copy through ``formats.streamed_products``
-    (its read-copy products on tensor cores, 32 columns at a time in a software-pipelined
-    loop, so the program never holds the whole [rows, K] tile), or 0: the tile is loaded whole
-    (``formats.load_read``). Only with the outputs' products on tensor cores (``output_dot``), an
-    element-wise or fp8 read copy, and the refresh in its own launch (a fused refresh folds from
-    the loaded tile). ``TUNING["stream"]`` sets it; off by default."""
-    stages = TUNING.get("stream", 0)
+    (its read-copy products on tensor cores, 32 columns at a time in a software-pipelined loop
+    through shared memory, so the program never holds the whole [rows, K] tile: fewer registers,
+    more programs per multiprocessor), or 0: the tile is loaded whole (``formats.load_read``).
+    Only with the outputs' products on tensor cores (``output_dot``), an element-wise or fp8 read
+    copy, and the refresh in its own launch (a fused refresh folds from the loaded tile).
+    ``STREAM_STAGES`` by draft length; ``TUNING["stream"]`` overrides it (0 = off)."""
+    stages = 0
+    for least, table_stages in STREAM_STAGES[arch]:
+        if T >= least:
+            stages = table_stages
+    stages = TUNING.get("stream", stages)
     if not (stages and split and output_dot(cache, arch, T)) or cache.precision.read_format.name == "nvfp4":
         return 0
     return stages
