@@ -348,14 +348,14 @@ def _tile_rows(cache, rows: int) -> int:
 #: tp8_hi32 T=8 1443.7 at order 1 against 1271.7 for a draft of order 0, hence 0 from T=8. GDN T=4
 #: keeps order 0 (162 registers at 64x4; orders 1 and 2 took 217 and lost 6-11%). GDN steps of
 #: T >= 4 stream their read copy (``STREAM_STAGES``), with shapes measured streamed (tenth
-#: session, us per round at T=4 / T=8): fp32 64x4 933.9 (32x2 955.1, 32x4 1223.3) / 1426.6;
-#: fp16 32x2 1053.0 (64x4 1072.9), bf16 32x2 1056.7 (64x4 1079.3); fp8 32x1 937.9 (32x2 1021.1,
-#: 64x4 1094.2) / 64x4 1716.6 (32x1 1782.1).
+#: session, us per round at T=4 / T=8): fp32 64x4 933.9 (32x1 968.3, 32x2 955.1, 32x4 1223.3) /
+#: 1426.6; fp16 32x1 987.5 (32x2 1053.0, 64x4 1072.9), bf16 32x1 994.8 (32x2 1047.2-1056.7, 64x4
+#: 1079.3); fp8 32x1 937.9 (32x2 1021.1, 64x4 1094.2) / 64x4 1716.6 (32x1 1782.1).
 DRAFT_SHAPES = {("mamba2", "fp32"): ((2, 32, 1, 16, 1),),
                 ("mamba2", "fp16"): ((2, 32, 1, 16, 1),), ("mamba2", "bf16"): ((2, 32, 1, 16, 1),),
                 ("mamba2", "fp8_e4m3"): ((2, 32, 1, 0, 1), (8, 32, 1, 0, 0)),
-                ("gdn", "fp32"): ((4, 64, 4, 0, 0),), ("gdn", "fp16"): ((4, 32, 2, 0, 0),),
-                ("gdn", "bf16"): ((4, 32, 2, 0, 0),), ("gdn", "fp8_e4m3"): ((4, 32, 1, 0, 0), (8, 64, 4, 0, 0))}
+                ("gdn", "fp32"): ((4, 64, 4, 0, 0),), ("gdn", "fp16"): ((4, 32, 1, 0, 0),),
+                ("gdn", "bf16"): ((4, 32, 1, 0, 0),), ("gdn", "fp8_e4m3"): ((4, 32, 1, 0, 0), (8, 64, 4, 0, 0))}
 
 
 def launch_shape(cache, arch: str, T: int = 1) -> tuple[int, int, bool, int, int]:
@@ -443,7 +443,7 @@ def output_dot(cache, arch: str, T: int) -> bool:
 #: entries (least draft length, stages), the last applicable wins; none = never. H200, batch 256,
 #: staggered, us per round with the whole tile in registers -> streamed at 3 chunks
 #: (BENCHMARKS.md, tenth session): GDN T=4 s32_rs 1086.1 -> 933.9 (64x4; 162 -> 92 registers,
-#: ptxas), tp16_hi32 1152.0 -> 1053.0 (32x2), tp8_hi32 1157.2 -> 937.9 (32x1); T=8 s32_rs
+#: ptxas), tp16_hi32 1152.0 -> 987.5 (32x1), tp8_hi32 1157.2 -> 937.9 (32x1); T=8 s32_rs
 #: 2252.8 -> 1426.6, tp8_hi32 2123.2 -> 1716.6 (64x4); but GDN T=2 s32_rs 535.5 -> 601.8 and
 #: decode 415.8 -> 551.3 (against their row reductions), and Mamba-2 T=4, whose products are
 #: row reductions, s32_rs 594.2 -> 777.0 at best.
