@@ -401,7 +401,9 @@ def refresh_ahead() -> bool:
     that a warp has two slices' loads in flight instead of one: ncu of the staggered batch-256
     refresh launch (ninth session) found it at 42% of DRAM bandwidth, with 127 registers per
     thread limiting a multiprocessor to 16 one-warp programs. The same arithmetic, so the same
-    bits (tested). ``TUNING["refresh_ahead"]`` overrides the default."""
+    bits (tested). Off: on the H200 it took 178 registers and was slower (batch 256, staggered,
+    s32_rs 345.6 -> 355.1 us, tp8_hi32 245.4 -> 258.2; BENCHMARKS.md, tenth session).
+    ``TUNING["refresh_ahead"]`` turns it on."""
     return TUNING.get("refresh_ahead", False)
 
 
