@@ -6,7 +6,8 @@ per configuration. A shape whose bits differ cannot serve as the refresh shape: 
 depend on the batch size (small batches refresh inside the step kernel).
 
     PYTHONPATH=src python3 benchmarks/refresh_bits.py [--arch mamba2,gdn] [--refresh-shapes 16x1,16x2,32x4] \
-        [--refresh-dot on] [--step-shapes 32x2del,16x2del] [--anchors --presets s32_rs,tp16_hi32,tp4_hi32]
+        [--refresh-dot on] [--step-shapes 32x2del,16x2del] [--anchors --presets s32_rs,tp16_hi32,tp4_hi32] \
+        [--split-only]
 """
 from __future__ import annotations
 
@@ -69,6 +70,9 @@ def main():
                     help="verify rounds of this many tokens, all accepted, instead of decode steps (a divisor "
                          "of the window)")
     ap.add_argument("--small", action="store_true")
+    ap.add_argument("--split-only", action="store_true",
+                    help="compare the split refresh shapes with the default split refresh, not with the fused one "
+                         "(GDN's fused refresh folds in another layout)")
     args = ap.parse_args()
     global EXTRA, DRAFT
     DRAFT = args.draft
@@ -84,8 +88,8 @@ def main():
             dot = {"default": dot, "on": True, "off": False}[args.refresh_dot]
             base = dict(block_rows=rows, num_warps=warps, refresh_dot=dot)
             # "split": at the default refresh shape (launch.REFRESH_SHAPES)
-            configs = [(f"{rows}x{warps} fused", dict(base, split_refresh=False)),
-                       ("split", dict(base, split_refresh=True))]
+            configs = [(f"{rows}x{warps} fused", dict(base, split_refresh=False))] * (not args.split_only)
+            configs += [("split", dict(base, split_refresh=True))]
             configs += [(f"split/{s}", dict(base, split_refresh=True, **dict(zip(("refresh_rows", "refresh_warps"),
                                                                              map(int, s.split("x"))))))
                         for s in args.refresh_shapes.split(",")]
