@@ -18,10 +18,10 @@ GEOMETRY = {"mamba2": dict(nheads=4, headdim=16, dstate=32, ngroups=2),
 
 
 class TritonLayer:
-    """A helpers layer whose public calls go to the Triton backend."""
+    """A helpers layer whose public calls go to the Triton backend (``GEOMETRY`` unless given)."""
 
-    def __init__(self, arch, seed=0):
-        self.base = helpers.make_layer(arch, seed, **GEOMETRY[arch])
+    def __init__(self, arch, seed=0, **geometry):
+        self.base = helpers.make_layer(arch, seed, **(geometry or GEOMETRY[arch]))
         self.name, self.state_shape = self.base.name, self.base.state_shape
 
     def cache(self, num_slots, **kw):
@@ -204,9 +204,8 @@ def test_split_refresh_at_its_own_launch_shape_refreshes_every_row(arch, persist
 
     geometry = {"mamba2": dict(nheads=2, headdim=32, dstate=32, ngroups=1),
                 "gdn": dict(num_k_heads=1, num_v_heads=2, head_k_dim=32, head_v_dim=32)}[arch]
-    base = helpers.make_layer(arch, 0, **geometry)
-    layer = TritonLayer(arch)
-    layer.base, layer.state_shape = base, base.state_shape
+    layer = TritonLayer(arch, **geometry)
+    base = layer.base
     g = helpers.generator(17)
     slots = torch.tensor([1, 0])
     state = torch.randn(2, *base.state_shape, generator=g)
@@ -231,22 +230,17 @@ def test_mamba2_refresh_in_column_chunks_matches_whole_rows(precision):
     """A Mamba-2 refresh folds and encodes 32 columns at a time (launch.refresh_columns): at
     dstate 64 that is two passes, each with its own fp8 scale blocks, and it must give the bits
     of one pass over whole rows (the same arithmetic per element), split or fused, and agree
-    with the float64 recurrence, with each slice's loads issued before the previous slice's
-    stores (launch.refresh_ahead) or after; a pass skipped, a slice loaded twice or a scale
-    block misplaced would not."""
+    with the float64 recurrence; a pass skipped or a scale block misplaced would not."""
     from replayssm._triton import launch
 
-    base = helpers.make_layer("mamba2", 0, nheads=2, headdim=16, dstate=64, ngroups=1)
-    layer = TritonLayer("mamba2")
-    layer.base, layer.state_shape = base, base.state_shape
+    layer = TritonLayer("mamba2", nheads=2, headdim=16, dstate=64, ngroups=1)
+    base = layer.base
     g = helpers.generator(23)
     slots = torch.tensor([0, 1])
     state = torch.randn(2, *base.state_shape, generator=g)
     toks = [base.tokens(g, 2, 1) for _ in range(6)]  # window 4: steps 5 and 6 refresh
     snaps = []
-    for tuning in (dict(refresh_columns=64), dict(refresh_columns=32), dict(refresh_columns=32, split_refresh=True),
-                   dict(refresh_columns=32, refresh_ahead=True),
-                   dict(refresh_columns=32, split_refresh=True, refresh_ahead=True)):
+    for tuning in (dict(refresh_columns=64), dict(refresh_columns=32), dict(refresh_columns=32, split_refresh=True)):
         cache = base.cache(2, window=4, max_draft=1, precision=precision)
         cache.load_state(slots, state)
         launch.TUNING.update(tuning)
@@ -312,9 +306,8 @@ def test_streamed_products_over_several_chunks(arch, precision):
 
     geometry = {"mamba2": dict(nheads=2, headdim=16, dstate=64, ngroups=1),
                 "gdn": dict(num_k_heads=1, num_v_heads=2, head_k_dim=64, head_v_dim=16)}[arch]
-    base = helpers.make_layer(arch, 0, **geometry)
-    layer = TritonLayer(arch)
-    layer.base, layer.state_shape = base, base.state_shape
+    layer = TritonLayer(arch, **geometry)
+    base = layer.base
     g = helpers.generator(29)
     slots = torch.tensor([1, 0])
     state = torch.randn(2, *base.state_shape, generator=g)
