@@ -200,7 +200,7 @@ def check_geometry(cache):
 #: "refresh_dot": bool, "split_refresh": bool, "early_cursor": bool, "output_dot": bool,
 #: "refresh_rows": int, "refresh_warps": int, "persistent_refresh": bool, "refresh_columns": int,
 #: "pdl": bool, "fp_fusion": bool, "pin_vector_width": bool, "step_pin": int, "loads": int,
-#: "refresh_programs": int, "refresh_ahead": bool, "stream": int};
+#: "refresh_programs": int, "stream": int};
 #: ``parse_shape`` reads them from a label. Each default is the faster one measured
 #: (BENCHMARKS.md) among those that keep the anchor's bits: ``early_cursor`` on (``cursor_args``),
 #: ``output_dot`` by draft length (``OUTPUT_DOT_MIN_DRAFT``), ``refresh_dot`` off for GDN
@@ -266,8 +266,7 @@ def parse_shape(text: str) -> dict:
     fused), ``e`` = early cursor, ``o`` = outputs' read-copy products on tensor cores, ``p`` =
     persistent refresh launch, ``l`` = programmatic dependent launch (``programmatic``), ``n`` = no
     contraction of a * b + c into fma by the compiler (``enable_fp_fusion=False``), ``u`` = GDN
-    refresh unpinned (``pin_vector_width``), ``a`` = Mamba-2 refresh loads a slice ahead
-    (``refresh_ahead``); then "k" and a number: the step streams its read copy with that many
+    refresh unpinned (``pin_vector_width``); then "k" and a number: the step streams its read copy with that many
     chunks in flight (``stream_stages``; "k" alone: 2); then "v" and a number: the step's read-copy load
     pinned to that many elements per thread ("v0": unpinned; without "v", the pin of ``SHAPES``
     or ``DRAFT_SHAPES`` for the preset and draft length); then "f" and a number: the step's load
@@ -281,7 +280,7 @@ def parse_shape(text: str) -> dict:
     text, f, loads = text.partition("f")
     text, _, step_pin = text.partition("v")
     text, k, stages = text.partition("k")
-    base = text.rstrip("dseoplnua")
+    base = text.rstrip("dseoplnu")
     rows, warps = map(int, base.split("x"))
     flags = text[len(base):]
     out = dict(block_rows=rows, num_warps=warps, refresh_dot="d" in flags, split_refresh="s" in flags,
@@ -291,8 +290,6 @@ def parse_shape(text: str) -> dict:
         out["fp_fusion"] = False
     if "u" in flags:
         out["pin_vector_width"] = False
-    if "a" in flags:
-        out["refresh_ahead"] = True
     if step_pin:  # "32x1dsev16": the step kernel's read-copy tile loads >= 16 elements per thread
         out["step_pin"] = int(step_pin)
     if k:  # "64x4seok3": the read copy streamed through tensor-core products, 3 chunks in flight
@@ -393,18 +390,6 @@ def refresh_shape(cache, arch: str, rows: int, warps: int) -> tuple[int, int]:
     if not _uses_nvfp4(cache):  # NVFP4 programs own one scale block of rows: the step's shape
         rows, warps = REFRESH_SHAPES.get(arch, (rows, warps))
     return _tile_rows(cache, TUNING.get("refresh_rows", rows)), TUNING.get("refresh_warps", warps)
-
-
-def refresh_ahead() -> bool:
-    """Whether a Mamba-2 refresh program issues the loads of its next column slice (anchor, B)
-    before it encodes and stores the current one (``mamba2.triton._mamba2_refresh_rows``), so
-    that a warp has two slices' loads in flight instead of one: ncu of the staggered batch-256
-    refresh launch (ninth session) found it at 42% of DRAM bandwidth, with 127 registers per
-    thread limiting a multiprocessor to 16 one-warp programs. The same arithmetic, so the same
-    bits (tested). Off: on the H200 it took 178 registers and was slower (batch 256, staggered,
-    s32_rs 345.6 -> 355.1 us, tp8_hi32 245.4 -> 258.2; BENCHMARKS.md, tenth session).
-    ``TUNING["refresh_ahead"]`` turns it on."""
-    return TUNING.get("refresh_ahead", False)
 
 
 #: Columns of the state a Mamba-2 refresh folds and encodes at a time (``refresh_columns``).

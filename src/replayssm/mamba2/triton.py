@@ -86,27 +86,16 @@ def _fold_weights(bx_ptr, bdt_ptr, bla_ptr, row, head, h, rv, H, L: tl.constexpr
 
 
 @triton.jit
-def _fold_keys(bB_ptr, row, group, h, cols, G, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr,
-               DOT: tl.constexpr):
-    """Columns ``cols`` of the committed entries' B rows [LP, KC] (zero past h) for ``_fold``'s
-    tensor-core product; without DOT, 0 (the token loop loads them one by one)."""
-    if DOT:
-        j = tl.arange(0, LP)
-        return tl.load(bB_ptr + ((row * L + j[:, None]) * G + group) * DK + cols[None, :], mask=(j < h)[:, None],
-                       other=0.0).to(tl.float32)
-    else:
-        return 0.0
-
-
-@triton.jit
-def _fold(S, la_sum, XW, B_c, bB_ptr, row, group, h, cols, G, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr,
+def _fold(S, la_sum, XW, bB_ptr, row, group, h, cols, G, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr,
           DOT: tl.constexpr):
     """Columns ``cols`` of the new checkpoint's unrounded rows, gamma_h S + sum_{j<h} w_j x_j B_j^T,
-    from the same columns S [BV, KC] of the anchor, ``_fold_weights`` and ``_fold_keys`` (B_c)."""
+    from the same columns S [BV, KC] of the anchor and ``_fold_weights``."""
     j = tl.arange(0, LP)
     S = S * tl.exp(la_sum)
     if DOT:  # one [BV, LP] x [LP, KC] tensor-core product (3-pass tf32)
-        S += tl.dot(XW, B_c, input_precision="tf32x3")
+        B_c = tl.load(bB_ptr + ((row * L + j[:, None]) * G + group) * DK + cols[None, :], mask=(j < h)[:, None],
+                      other=0.0)
+        S += tl.dot(XW, B_c.to(tl.float32), input_precision="tf32x3")
     else:  # one rank-1 update per committed token (XW is zero past h); unrolled
         for jj in tl.static_range(L):
             m = jj < h
@@ -120,31 +109,20 @@ def _mamba2_refresh_rows(pid_v, head, row, h, seeds_ptr, tokens_ptr, av_ptr, as_
                          bx_ptr, bdt_ptr, bla_ptr, bB_ptr, H, G, L: tl.constexpr, LP: tl.constexpr,
                          DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
                          A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
-                         SHARED: tl.constexpr, REFRESH_DOT: tl.constexpr, AHEAD: tl.constexpr):
+                         SHARED: tl.constexpr, REFRESH_DOT: tl.constexpr):
     """Refresh rows pid_v * BV ... of one head of storage row ``row`` (h committed entries): fold
     and encode KC columns at a time (``launch.refresh_columns``), so that a program holds a
-    [BV, KC] slice of the state and of the product operands instead of whole rows. AHEAD
-    (``launch.refresh_ahead``): each slice's loads go out before the previous slice's stores."""
+    [BV, KC] slice of the state and of the product operands instead of whole rows."""
     mat = row * H + head
     gidx = mat * (DV // BV) + pid_v
     rv = pid_v * BV + tl.arange(0, BV)
     la_sum, XW = _fold_weights(bx_ptr, bdt_ptr, bla_ptr, row, head, h, rv, H, L, LP, DV)
     seed = tl.load(seeds_ptr + row)
     tokens = tl.load(tokens_ptr + row)
-    group = head // (H // G)
-    cols = tl.arange(0, KC)
-    S_next = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT)
-    B_next = _fold_keys(bB_ptr, row, group, h, cols, G, L, LP, DK, REFRESH_DOT)
     for c in tl.static_range(DK // KC):
         cols = c * KC + tl.arange(0, KC)
-        S, B_c = S_next, B_next
-        if AHEAD and c + 1 < DK // KC:  # the next slice's loads issued before this slice's stores
-            S_next = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols + KC, DV, DK, A_FMT)
-            B_next = _fold_keys(bB_ptr, row, group, h, cols + KC, G, L, LP, DK, REFRESH_DOT)
-        if not AHEAD and c > 0:
-            S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT)
-            B_c = _fold_keys(bB_ptr, row, group, h, cols, G, L, LP, DK, REFRESH_DOT)
-        S = _fold(S, la_sum, XW, B_c, bB_ptr, row, group, h, cols, G, L, LP, DK, REFRESH_DOT)
+        S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT)
+        S = _fold(S, la_sum, XW, bB_ptr, row, head // (H // G), h, cols, G, L, LP, DK, REFRESH_DOT)
         write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, cols, seed, tokens,
                          DV, DK, A_FMT, A_SR, R_FMT, R_SR, SHARED)
 
@@ -158,7 +136,7 @@ def _mamba2_refresh_kernel(
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, REFRESH_DOT: tl.constexpr, EARLY_CURSOR: tl.constexpr,
-        PERSISTENT: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr, AHEAD: tl.constexpr = False):
+        PERSISTENT: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr):
     """The refresh alone (the step kernel then runs with FUSED_REFRESH=False); PERSISTENT as in
     ``_gdn_refresh_kernel``."""
     after_previous_launch(PDL)
@@ -169,7 +147,7 @@ def _mamba2_refresh_kernel(
             pid_v, head, _, row, h = refresh_item(need, ordinal, w, slots_ptr, committed_ptr, SCRATCH, DV // BV, H)
             _mamba2_refresh_rows(pid_v, head, row, h, seeds_ptr, tokens_ptr, av_ptr,
                                  as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, H, G, L,
-                                 LP, DV, DK, BV, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, AHEAD)
+                                 LP, DV, DK, BV, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT)
             w += tl.num_programs(0)
     else:
         pid_v, head, pid_b, row, h, need = refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T, L,
@@ -177,7 +155,7 @@ def _mamba2_refresh_kernel(
         if need:
             _mamba2_refresh_rows(pid_v, head, row, h, seeds_ptr, tokens_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr,
                                  rs_ptr, rg_ptr, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, H, G, L, LP, DV, DK, BV, KC,
-                                 A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, AHEAD)
+                                 A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT)
 
 
 @triton.jit
@@ -235,8 +213,7 @@ def _mamba2_step_kernel(
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, REFRESH_DOT: tl.constexpr,
         FUSED_REFRESH: tl.constexpr, EARLY_CURSOR: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr,
-        PDL: tl.constexpr, STEP_PIN: tl.constexpr = 0, LOADS: tl.constexpr = 0, AHEAD: tl.constexpr = False,
-        STREAM: tl.constexpr = 0):
+        PDL: tl.constexpr, STEP_PIN: tl.constexpr = 0, LOADS: tl.constexpr = 0, STREAM: tl.constexpr = 0):
     after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -270,7 +247,7 @@ def _mamba2_step_kernel(
         if need:  # refresh: fold the h committed entries into a new checkpoint, from the anchor
             _mamba2_refresh_rows(pid_v, head, row, h, seeds_ptr, tokens_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr,
                                  rg_ptr, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, H, G, L, LP, DV, DK, BV, KC, A_FMT, A_SR,
-                                 R_FMT, R_SR, SHARED, REFRESH_DOT, AHEAD)
+                                 R_FMT, R_SR, SHARED, REFRESH_DOT)
             tl.debug_barrier()  # read back, as after a split refresh (write_checkpoint says why)
             ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
     h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
@@ -361,7 +338,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
                    H, cache.ngroups, b,
                    T=T, L=cache.window, LP=LP, DV=P, DK=cache.dstate, BV=rbv, KC=kc, REFRESH_DOT=refresh_dot,
                    EARLY_CURSOR=early, PERSISTENT=persistent, BP=triton.next_power_of_2(b), num_warps=rwarps,
-                   AHEAD=launch.refresh_ahead(), **consts)
+                   **consts)
     launch.run(
         _mamba2_step_kernel, grid,
         slots, cache.committed, cursors, cache.tokens, cache.seeds, *anchor, *read,
@@ -372,8 +349,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
         DK=cache.dstate, BV=bv, KC=kc, HAS_D=D is not None, HAS_Z=z is not None,
         REFRESH_DOT=refresh_dot, FUSED_REFRESH=not split, EARLY_CURSOR=early,
         OUTPUT_DOT=launch.output_dot(cache, "mamba2", T), QP=max(16, triton.next_power_of_2(T)),
-        STEP_PIN=pin, LOADS=loads, AHEAD=launch.refresh_ahead(), STREAM=launch.stream_stages(cache, "mamba2", T, split),
-        num_warps=warps,
+        STEP_PIN=pin, LOADS=loads, STREAM=launch.stream_stages(cache, "mamba2", T, split), num_warps=warps,
         **consts)
     launch.advance(cache, slots, T, commit, {"dt": dt, "log_alpha": log_alpha, "B": B})
     return y
