@@ -71,7 +71,6 @@ def _with_next_order(step, orders, *args):
                                            ("mamba2", "output_dot"), ("gdn", "output_dot"),
                                            ("mamba2", "load_order"), ("gdn", "load_order"),
                                            ("mamba2", "stream"), ("gdn", "stream"),
-                                           ("mamba2", "concurrent"), ("gdn", "concurrent"),
                                            ("mamba2", "all_experiments"), ("gdn", "all_experiments")])
 def test_triton_s32_matches_float64_reference(arch, variant):
     """Both refresh folds (Mamba-2: tensor-core products, the default, or token by token; GDN:
@@ -79,9 +78,8 @@ def test_triton_s32_matches_float64_reference(arch, variant):
     cursor loaded by the step kernels (the early cursor is the default) and the outputs' products
     on tensor cores at every T (the default only from launch.OUTPUT_DOT_MIN_DRAFT), with the step
     programs' loads in the order the defaults do not use (``launch.preload``), fused refresh, with
-    the read copy streamed through the products (``launch.stream_stages``), with the step in two
-    launches, of the refreshing slots and of the others (``launch.refresh_then_step``), through
-    decode and verify rounds."""
+    the read copy streamed through the products (``launch.stream_stages``), through decode and
+    verify rounds."""
     from replayssm._triton import launch
 
     layer = TritonLayer(arch)
@@ -99,8 +97,6 @@ def test_triton_s32_matches_float64_reference(arch, variant):
             setattr(tr, name, functools.partial(_with_next_order, getattr(tr, name), orders))
     elif variant == "stream":  # the read copy streamed through tensor-core products (launch.stream_stages)
         launch.TUNING.update(output_dot=True, stream=2, split_refresh=True)
-    elif variant == "concurrent":  # on the CPU: refresh, step of the refreshing slots, step of the rest
-        launch.TUNING.update(concurrent=2, split_refresh=True)
     elif variant == "all_experiments":  # as the next sweep will combine them
         launch.TUNING.update(early_cursor=True, output_dot=True, refresh_dot=True, split_refresh=True)
     else:
@@ -153,8 +149,8 @@ def test_split_refresh_launch_matches_the_fused_kernel_bit_for_bit(arch, precisi
     checkpoint and outputs as the fused step kernel, stochastic rounding included, with the cursor
     copied early (the default) or loaded by each kernel, and with the refresh launch one program
     per tile (the default) or persistent (a few programs loop over the refreshing slots' tiles, or
-    one program per tile of ceil(b T / L) slots), or with the step in two launches
-    (``launch.refresh_then_step``); the fused one must differ once a refresh is skipped, so the comparison can fail."""
+    one program per tile of ceil(b T / L) slots);
+    the fused one must differ once a refresh is skipped, so the comparison can fail."""
     from replayssm._triton import launch
 
     layer = TritonLayer(arch)
@@ -166,8 +162,7 @@ def test_split_refresh_launch_matches_the_fused_kernel_bit_for_bit(arch, precisi
     for tuning in (dict(split_refresh=False), dict(split_refresh=True), dict(split_refresh=True, early_cursor=False),
                    dict(split_refresh=False, early_cursor=False),
                    dict(split_refresh=True, persistent_refresh=True),
-                   dict(split_refresh=True, persistent_refresh=True, refresh_programs=0),
-                   dict(split_refresh=True, concurrent=2)):
+                   dict(split_refresh=True, persistent_refresh=True, refresh_programs=0)):
         cache = layer.cache(3, window=4, max_draft=2, precision=precision)
         cache.load_state(slots, state)
         launch.TUNING.update(tuning)
@@ -196,17 +191,6 @@ def test_split_refresh_launch_matches_the_fused_kernel_bit_for_bit(arch, precisi
         launch.TUNING.clear()
         launch.LAUNCHER = launch._launch
     assert (f"_{arch}_refresh_kernel", None) in names and (f"_{arch}_step_kernel", False) in names
-    # and the concurrent form's step launches: the refreshing slots after the refresh, then the rest
-    names = []
-    launch.TUNING.update(split_refresh=True, concurrent=2)
-    launch.LAUNCHER = lambda kernel, grid, args, kw: names.append((kernel.fn.__name__, kw.get("SELECT")))
-    try:
-        layer.run(layer.cache(3, window=4, max_draft=2, precision=precision), slots, toks[0], False)
-    finally:
-        launch.TUNING.clear()
-        launch.LAUNCHER = launch._launch
-    assert names[1:4] == [(f"_{arch}_refresh_kernel", None), (f"_{arch}_step_kernel", 2),
-                          (f"_{arch}_step_kernel", 1)]
 
 
 @pytest.mark.parametrize("arch", ["mamba2", "gdn"])

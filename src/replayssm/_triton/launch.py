@@ -156,55 +156,6 @@ def run(kernel, grid, *args, **kwargs):
     LAUNCHER(kernel, grid, args, kwargs)
 
 
-#: Whether a split refresh runs beside the step (``refresh_then_step``) by default: 0 = no, 1 = on
-#: a side stream at default priority, 2 = on a side stream at high priority.
-CONCURRENT = 0
-
-
-def concurrent(slots) -> int:
-    """How a split refresh runs beside its step (``CONCURRENT``; ``TUNING["concurrent"]``
-    overrides it), as ``refresh_then_step`` reads it; 3 on the CPU, where there are no streams.
-    Never with programmatic launch, whose waits chain a launch to the one before it."""
-    mode = TUNING.get("concurrent", CONCURRENT)
-    if not mode or programmatic(slots):
-        return 0
-    return mode if slots.device.type == "cuda" else 3
-
-
-@functools.lru_cache(maxsize=None)
-def _side_stream(device, priority: int):
-    return torch.cuda.Stream(device=device, priority=priority)
-
-
-def refresh_then_step(slots, refresh, step):
-    """Run a split refresh and the step kernel of one step. ``refresh()`` launches the refresh;
-    ``step(select)`` the step kernel over the batch rows that refresh (select 2), those that do
-    not (1), or all (0). Serially by default: refresh, then step(0). Concurrent (``concurrent``):
-    the refresh and then the step of the refreshing rows go on a side stream, forked after the
-    launches before and joined before the ones after, while the step of the other rows runs on
-    the current stream: the refresh, bound by its arithmetic, overlaps a step bound by memory.
-    The rows touch disjoint state, buffer and output rows, so the bits are the same either way
-    (tested). Mode 3 runs the three launches one after the other on the current stream."""
-    mode = concurrent(slots)
-    if mode == 0:
-        refresh()
-        step(0)
-        return
-    if mode == 3:
-        refresh()
-        step(2)
-        step(1)
-        return
-    main = torch.cuda.current_stream(slots.device)
-    side = _side_stream(slots.device, -1 if mode == 2 else 0)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):  # enqueued first, so its programs are dispatched first
-        refresh()
-        step(2)
-    step(1)
-    main.wait_stream(side)
-
-
 def advance(cache, slots, T: int, commit: bool, shared_fields: dict):
     """Launch ``advance_kernel``: write the shared buffer fields (name -> input [b, T, ...]) of
     the new tokens and move the cursors."""
@@ -249,7 +200,7 @@ def check_geometry(cache):
 #: "refresh_dot": bool, "split_refresh": bool, "early_cursor": bool, "output_dot": bool,
 #: "refresh_rows": int, "refresh_warps": int, "persistent_refresh": bool, "refresh_columns": int,
 #: "pdl": bool, "fp_fusion": bool, "pin_vector_width": bool, "step_pin": int, "loads": int,
-#: "refresh_programs": int, "stream": int, "concurrent": int};
+#: "refresh_programs": int, "stream": int};
 #: ``parse_shape`` reads them from a label. Each default is the faster one measured
 #: (BENCHMARKS.md) among those that keep the anchor's bits: ``early_cursor`` on (``cursor_args``),
 #: ``output_dot`` by draft length (``OUTPUT_DOT_MIN_DRAFT``), ``refresh_dot`` off for GDN
@@ -315,8 +266,7 @@ def parse_shape(text: str) -> dict:
     fused), ``e`` = early cursor, ``o`` = outputs' read-copy products on tensor cores, ``p`` =
     persistent refresh launch, ``l`` = programmatic dependent launch (``programmatic``), ``n`` = no
     contraction of a * b + c into fma by the compiler (``enable_fp_fusion=False``), ``u`` = GDN
-    refresh unpinned (``pin_vector_width``); then "c" and a number: the split refresh beside the step
-    (``refresh_then_step``; "c" alone: 2, high priority); then "k" and a number: the step streams its read copy with that many
+    refresh unpinned (``pin_vector_width``); then "k" and a number: the step streams its read copy with that many
     chunks in flight (``stream_stages``; "k" alone: 2); then "v" and a number: the step's read-copy load
     pinned to that many elements per thread ("v0": unpinned; without "v", the pin of ``SHAPES``
     or ``DRAFT_SHAPES`` for the preset and draft length); then "f" and a number: the step's load
@@ -330,7 +280,6 @@ def parse_shape(text: str) -> dict:
     text, f, loads = text.partition("f")
     text, _, step_pin = text.partition("v")
     text, k, stages = text.partition("k")
-    text, c, mode = text.partition("c")
     base = text.rstrip("dseoplnu")
     rows, warps = map(int, base.split("x"))
     flags = text[len(base):]
@@ -343,8 +292,6 @@ def parse_shape(text: str) -> dict:
         out["pin_vector_width"] = False
     if step_pin:  # "32x1dsev16": the step kernel's read-copy tile loads >= 16 elements per thread
         out["step_pin"] = int(step_pin)
-    if c:  # "32x1sec/16x2": the refresh beside the step on a high-priority side stream ("c1": default priority)
-        out["concurrent"] = int(mode or 2)
     if k:  # "64x4seok3": the read copy streamed through tensor-core products, 3 chunks in flight
         out["stream"] = int(stages or 2)
     if f:  # "32x1dsef1": the step program's other loads before its output loop (LOAD_ORDERS); "f" alone: 2

@@ -44,19 +44,6 @@ def cursor_of(committed_ptr, h_early, valid, row, T: tl.constexpr, L: tl.constex
 
 
 @triton.jit
-def skipped(due, SELECT: tl.constexpr):
-    """Whether a step program of a slot whose refresh is ``due`` exits at once: SELECT 0 = no
-    program does, 1 = those of refreshing slots, 2 = those of the others
-    (``launch.refresh_then_step``)."""
-    if SELECT == 1:
-        return due
-    elif SELECT == 2:
-        return due == 0
-    else:
-        return False
-
-
-@triton.jit
 def refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T: tl.constexpr, L: tl.constexpr,
                     EARLY: tl.constexpr):
     """A refresh kernel's program (row block, head, batch row): (pid_v, head, pid_b, storage row,

@@ -30,8 +30,8 @@ import triton.language as tl
 from .._triton import launch
 from .._triton.launch import after_previous_launch
 from .._triton.decay import segment_to, suffix_sums
-from .._triton.window import (cursor_of, early_cursor, refresh_item, refresh_plan, refresh_program, skipped,
-                              slot_cursor, slot_row, window_rows, window_scalars)
+from .._triton.window import (cursor_of, early_cursor, refresh_item, refresh_plan, refresh_program, slot_cursor,
+                              slot_row, window_rows, window_scalars)
 from .._triton.formats import (anchor_rows, column, pin_vector_width, load_query, load_read, load_tile, matvec,
                                products_on_tensor_cores, streamed_products, write_checkpoint)
 
@@ -275,15 +275,12 @@ def _gdn_step_kernel(
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, FUSED_REFRESH: tl.constexpr, EARLY_CURSOR: tl.constexpr, OUTPUT_DOT: tl.constexpr,
         QP: tl.constexpr, REFRESH_DOT: tl.constexpr, PDL: tl.constexpr, STEP_PIN: tl.constexpr = 0,
-        LOADS: tl.constexpr = 0, STREAM: tl.constexpr = 0, SELECT: tl.constexpr = 0):
+        LOADS: tl.constexpr = 0, STREAM: tl.constexpr = 0):
     after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h_early = early_cursor(cursors_ptr, pid_b, EARLY_CURSOR)
     valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
-    if SELECT:  # launch.refresh_then_step: one launch of two, before any state load
-        if skipped(cursor_of(committed_ptr, h_early, valid, row, T, L, EARLY_CURSOR)[1], SELECT):
-            return
     khead = head // (HV // HK)
     mat = row * HV + head
     gidx = mat * (DV // BV) + pid_v  # NVFP4 global-scale block of these rows
@@ -397,8 +394,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     kc = launch.refresh_columns(cache)
     q, k = qn, kn
     grid = (V // bv, HV, b)
-
-    def refresh():
+    if split:
         rbv, rwarps = launch.refresh_shape(cache, "gdn", bv, warps)
         rgrid, persistent = launch.refresh_grid(v.device, (V // rbv, HV, b), T, cache.window)
         launch.run(_gdn_refresh_kernel, rgrid, slots, cache.committed, cursors, cache.tokens,
@@ -407,22 +403,15 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
                    REFRESH_DOT=refresh_dot, PERSISTENT=persistent, BP=triton.next_power_of_2(b), num_warps=rwarps,
                    PIN=launch.pin_vector_width(),
                    **consts)
-
-    def step_kernel(select):
-        launch.run(
-            _gdn_step_kernel, grid,
-            slots, cache.committed, cursors, cache.tokens, cache.seeds, gram, *anchor, *read,
-            buf["k"], buf["v"], buf["g"], buf["beta"], buf["u"],
-            q, k, v, g, beta, scores, o, cache.scratch_row, HV, HK,
-            T=T, L=cache.window, LP=LP, DV=V,
-            DK=cache.head_k_dim, BV=bv, KC=kc, FUSED_REFRESH=not split, EARLY_CURSOR=early,
-            OUTPUT_DOT=launch.output_dot(cache, "gdn", T), QP=max(16, triton.next_power_of_2(2 * T)),
-            REFRESH_DOT=refresh_dot, STEP_PIN=pin, LOADS=loads, STREAM=launch.stream_stages(cache, "gdn", T, split),
-            SELECT=select, num_warps=warps, **consts)
-
-    if split:
-        launch.refresh_then_step(slots, refresh, step_kernel)
-    else:
-        step_kernel(0)
+    launch.run(
+        _gdn_step_kernel, grid,
+        slots, cache.committed, cursors, cache.tokens, cache.seeds, gram, *anchor, *read,
+        buf["k"], buf["v"], buf["g"], buf["beta"], buf["u"],
+        q, k, v, g, beta, scores, o, cache.scratch_row, HV, HK,
+        T=T, L=cache.window, LP=LP, DV=V,
+        DK=cache.head_k_dim, BV=bv, KC=kc, FUSED_REFRESH=not split, EARLY_CURSOR=early,
+        OUTPUT_DOT=launch.output_dot(cache, "gdn", T), QP=max(16, triton.next_power_of_2(2 * T)),
+        REFRESH_DOT=refresh_dot, STEP_PIN=pin, LOADS=loads, STREAM=launch.stream_stages(cache, "gdn", T, split),
+        num_warps=warps, **consts)
     launch.advance(cache, slots, T, commit, {"k": k, "g": g, "beta": beta})
     return o

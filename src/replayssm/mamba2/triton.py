@@ -26,8 +26,8 @@ import triton.language as tl
 from .._triton import launch
 from .._triton.launch import after_previous_launch
 from .._triton.decay import segment_to, suffix_sums
-from .._triton.window import (cursor_of, early_cursor, refresh_item, refresh_plan, refresh_program, skipped,
-                              slot_cursor, slot_row, window_rows, window_scalars)
+from .._triton.window import (cursor_of, early_cursor, refresh_item, refresh_plan, refresh_program, slot_cursor,
+                              slot_row, window_rows, window_scalars)
 from .._triton.formats import (column, load_query, load_read, load_tile, matvec, pin_vector_width,
                                products_on_tensor_cores, streamed_products, write_checkpoint)
 
@@ -213,15 +213,12 @@ def _mamba2_step_kernel(
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, REFRESH_DOT: tl.constexpr,
         FUSED_REFRESH: tl.constexpr, EARLY_CURSOR: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr,
-        PDL: tl.constexpr, STEP_PIN: tl.constexpr = 0, LOADS: tl.constexpr = 0, STREAM: tl.constexpr = 0, SELECT: tl.constexpr = 0):
+        PDL: tl.constexpr, STEP_PIN: tl.constexpr = 0, LOADS: tl.constexpr = 0, STREAM: tl.constexpr = 0):
     after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     h_early = early_cursor(cursors_ptr, pid_b, EARLY_CURSOR)
     valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
-    if SELECT:  # launch.refresh_then_step: one launch of two, before any state load
-        if skipped(cursor_of(committed_ptr, h_early, valid, row, T, L, EARLY_CURSOR)[1], SELECT):
-            return
     group = head // (H // G)
     mat = row * H + head
     gidx = mat * (DV // BV) + pid_v  # NVFP4 global-scale block of these rows
@@ -333,8 +330,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
                T=T, L=cache.window, LP=LP, DK=cache.dstate, HG=triton.next_power_of_2(H // G),
                HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), EARLY_CURSOR=early)
     grid = (P // bv, H, b)
-
-    def refresh():
+    if split:
         rbv, rwarps = launch.refresh_shape(cache, "mamba2", bv, warps)
         rgrid, persistent = launch.refresh_grid(x.device, (P // rbv, H, b), T, cache.window)
         launch.run(_mamba2_refresh_kernel, rgrid, slots, cache.committed, cursors, cache.tokens,
@@ -343,24 +339,17 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
                    T=T, L=cache.window, LP=LP, DV=P, DK=cache.dstate, BV=rbv, KC=kc, REFRESH_DOT=refresh_dot,
                    EARLY_CURSOR=early, PERSISTENT=persistent, BP=triton.next_power_of_2(b), num_warps=rwarps,
                    **consts)
-
-    def step_kernel(select):
-        launch.run(
-            _mamba2_step_kernel, grid,
-            slots, cache.committed, cursors, cache.tokens, cache.seeds, *anchor, *read,
-            buf["x"], buf["dt"], buf["log_alpha"], buf["B"],
-            x, dt, log_alpha, C, x if D is None else D, x if z is None else z, scores, y,
-            cache.scratch_row, H, cache.ngroups,
-            T=T, L=cache.window, LP=LP, DV=P,
-            DK=cache.dstate, BV=bv, KC=kc, HAS_D=D is not None, HAS_Z=z is not None,
-            REFRESH_DOT=refresh_dot, FUSED_REFRESH=not split, EARLY_CURSOR=early,
-            OUTPUT_DOT=launch.output_dot(cache, "mamba2", T), QP=max(16, triton.next_power_of_2(T)),
-            STEP_PIN=pin, LOADS=loads, STREAM=launch.stream_stages(cache, "mamba2", T, split), SELECT=select,
-            num_warps=warps, **consts)
-
-    if split:
-        launch.refresh_then_step(slots, refresh, step_kernel)
-    else:
-        step_kernel(0)
+    launch.run(
+        _mamba2_step_kernel, grid,
+        slots, cache.committed, cursors, cache.tokens, cache.seeds, *anchor, *read,
+        buf["x"], buf["dt"], buf["log_alpha"], buf["B"],
+        x, dt, log_alpha, C, x if D is None else D, x if z is None else z, scores, y,
+        cache.scratch_row, H, cache.ngroups,
+        T=T, L=cache.window, LP=LP, DV=P,
+        DK=cache.dstate, BV=bv, KC=kc, HAS_D=D is not None, HAS_Z=z is not None,
+        REFRESH_DOT=refresh_dot, FUSED_REFRESH=not split, EARLY_CURSOR=early,
+        OUTPUT_DOT=launch.output_dot(cache, "mamba2", T), QP=max(16, triton.next_power_of_2(T)),
+        STEP_PIN=pin, LOADS=loads, STREAM=launch.stream_stages(cache, "mamba2", T, split), num_warps=warps,
+        **consts)
     launch.advance(cache, slots, T, commit, {"dt": dt, "log_alpha": log_alpha, "B": B})
     return y
