@@ -68,3 +68,51 @@ def test_kernel_encode_matches_torch_bit_for_bit(name, rounding):
                         t.reshape(-1).view(torch.int16 if t.element_size() == 2 else torch.int32)), key
     ref = fmt.decode(want, DK)
     torch.testing.assert_close(back, ref, rtol=0, atol=0, equal_nan=True)
+
+
+@triton.jit
+def _grid_round_kernel(x_ptr, r_ptr, out_ptr, N: tl.constexpr, M: tl.constexpr, EMIN: tl.constexpr,
+                       MAXV: tl.constexpr, SR: tl.constexpr):
+    i = tl.program_id(0) * N + tl.arange(0, N)
+    tl.store(out_ptr + i, tf.grid_round(tl.load(x_ptr + i), tl.load(r_ptr + i), M, EMIN, MAXV, SR))
+
+
+def _hard_cases(M, emin, maxv, g):
+    """fp32 values where a rounding onto the grid (M mantissa bits, min exponent emin, max maxv)
+    goes wrong first: every grid point of a span of binades and the midpoints between them (the
+    ties), one fp32 ulp either side of each midpoint, subnormals of the grid and of fp32, signed
+    zeros, the largest values and beyond, and random fp32 bit patterns."""
+    top = int(torch.tensor(maxv).log2().floor())
+    exps = sorted({*range(emin - 3, emin + 4), *range(-2, 3), *range(top - 3, top + 1)})
+    pts = torch.cat([(1 + torch.arange(2 ** M, dtype=torch.float64) / 2 ** M) * 2.0 ** e for e in exps])
+    pts = torch.cat([pts, torch.arange(2 ** M, dtype=torch.float64) * 2.0 ** (emin - M)])  # grid subnormals
+    spacing = 2.0 ** (torch.floor(torch.log2(pts.clamp_min(2.0 ** emin))) - M)
+    mids = (pts + spacing / 2).float()
+    near = torch.cat([mids, torch.nextafter(mids, mids + 1), torch.nextafter(mids, mids - 1), pts.float()])
+    special = torch.tensor([0.0, maxv, maxv * 1.0001, 3e38, 1e-45, 1e-40, 2.0 ** -126, 2.0 ** -127])
+    rand = torch.randint(0, 2 ** 31 - 2 ** 23, (4096,), generator=g, dtype=torch.int32).view(torch.float32)
+    x = torch.cat([near, special, rand])
+    return torch.cat([x, -x])
+
+
+@pytest.mark.parametrize("grid", [(10, -14, 65504.0), (7, -126, 3.3895313892515355e38), (3, -6, 448.0),
+                                  (1, 0, 6.0)], ids=["fp16", "bf16", "e4m3", "e2m1"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_grid_round_matches_torch_on_ties_subnormals_and_limits(grid, rounding):
+    """``formats.grid_round`` (whose nearest-even form adds and takes away a constant, or rounds
+    the bits for bf16) against ``replayssm.formats._round_grid`` in float64, bit for bit, on the
+    values where a rounding errs first; a planted error (ties rounded away from zero) must fail."""
+    M, emin, maxv = grid
+    g = torch.Generator().manual_seed(29)
+    x = _hard_cases(M, emin, maxv, g)
+    x = torch.cat([x, torch.zeros((-x.numel()) % 1024)])
+    r24 = torch.randint(0, 2 ** 24, x.shape, generator=g, dtype=torch.int64)
+    sr = rounding == "stochastic"
+    want = formats._round_grid(x, M, emin, maxv, r24 if sr else None).float()
+    got = torch.empty_like(x)
+    _grid_round_kernel[(x.numel() // 1024,)](x, r24, got, 1024, M, emin, maxv, sr)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    if not sr:  # teeth: ties rounded away from zero would differ on some of these values
+        away = formats._round_grid(x, M + 1, emin, maxv, None).float()  # the ties on the finer grid
+        tie = (away == x) & (formats._round_grid(x, M, emin, maxv, None).float() != x)
+        assert ((want.abs() < x.abs()) & tie).sum() >= 8

@@ -46,23 +46,47 @@ def _pow2(k):
 
 
 @triton.jit
+def _clamp(y, MAXV: tl.constexpr):
+    """y clamped to [-MAXV, MAXV], NaN kept (max.NaN / min.NaN on the GPU: no compare and select)."""
+    return tl.minimum(tl.maximum(y, -MAXV, propagate_nan=tl.PropagateNan.ALL), MAXV,
+                      propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _max_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def grid_round(y, r24, M: tl.constexpr, EMIN: tl.constexpr, MAXV: tl.constexpr, SR: tl.constexpr):
     """Round fp32 ``y`` onto a binary grid with M mantissa bits, min normal exponent EMIN and
     largest value MAXV (saturating). SR: round up iff r24 < frac * 2**24, else nearest-even."""
-    yd = tl.where(y != y, y, tl.minimum(tl.maximum(y, -MAXV), MAXV))
+    yd = _clamp(y, MAXV)
     bits = yd.to(tl.int32, bitcast=True)
+    if not SR and EMIN == -126:
+        # the grid has fp32's exponent range (bf16): nearest-even on the bits, carries into the
+        # exponent included, 4 integer operations
+        DROP: tl.constexpr = 23 - M
+        half: tl.constexpr = (1 << (DROP - 1)) - 1
+        res = ((bits + half + ((bits >> DROP) & 1)) & -(1 << DROP)).to(tl.float32, bitcast=True)
+        return tl.where(y != y, y, res)
     e = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN)
-    q = (yd * _pow2(-e)) * _pow2(tl.full(e.shape, M, tl.int32))  # exact: powers of two
     if SR:
+        # q = y 2**(M - e), exact: powers of two, each factor in range even for e = -126 or 127
+        q = (yd * _pow2(-(e >> 1))) * _pow2(M - (e - (e >> 1)))
         fl = tl.floor(q)  # signed: lo <= y < hi, as in formats._round_grid
         up = r24.to(tl.float32) < (q - fl) * 16777216.0
         qr = fl + up.to(tl.float32)
+        res = tl.abs((qr * _pow2(tl.full(e.shape, -M, tl.int32))) * _pow2(e))  # |qr 2**-M| <= 2: no overflow
     else:
-        qr = (q + 12582912.0) - 12582912.0  # round half to even for |q| < 2**22
-    res = tl.abs((qr * _pow2(e)) * _pow2(tl.full(e.shape, -M, tl.int32)))
+        # nearest-even by adding and taking away c = 1.5 * 2**(e + 23 - M): the sum's ulp is the
+        # grid's spacing 2**(e - M), so the fp32 addition rounds onto the grid (exact for
+        # |y| < 2**(e + 1); e + 150 - M stays in fp32's exponent range for EMIN > -126 - M)
+        c = (((e + (150 - M)) << 23) | 0x400000).to(tl.float32, bitcast=True)
+        res = (yd + c) - c
     # copy the sign bit (a zero result keeps the sign of y; triton's negation is 0 - x)
     res = (res.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
-    return tl.where(yd != yd, yd, res)
+    return tl.where(y != y, y, res)
 
 
 @triton.jit
@@ -142,17 +166,18 @@ def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
             MAXV: tl.constexpr = 3.3895313892515355e38
             M: tl.constexpr = 7
             EMIN: tl.constexpr = -126
-        # rounded here, so the cast below is exact (the interpreter's bf16 cast truncates)
-        y = grid_round(S, r24, M, EMIN, MAXV, SR)
-        y = tl.where((S != S) | (tl.abs(S) == float("inf")), S, y)  # NaN and inf pass through
+        if FMT == 1 and not SR:  # the cast rounds to nearest-even, here and in the interpreter (numpy)
+            y = _clamp(S, MAXV)
+        else:  # rounded here, so the cast below is exact (the interpreter's bf16 cast truncates)
+            y = grid_round(S, r24, M, EMIN, MAXV, SR)
+        y = tl.where(tl.abs(S) < float("inf"), y, S)  # NaN and inf pass through
         v = y.to(v_ptr.dtype.element_ty)
         tl.store(v_ptr + row * DK + ck[None, :], v)
     elif FMT == 3:
         NB: tl.constexpr = BK // 32
         X = tl.reshape(S, (BV, NB, 32))
-        fin = tl.abs(X) < float("inf")
-        bad = tl.max(tl.where(fin, 0, 1), axis=2) > 0
-        amax = tl.max(tl.where(fin, tl.abs(X), 0.0), axis=2)
+        amax = tl.reduce(tl.abs(X), 2, _max_nan)  # NaN or inf when the block has one: its scale is then NaN
+        bad = (amax < float("inf")) == 0
         scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
         scale = tl.where(scale > 0, scale, 1.0)
         scale = tl.where(bad, float("nan"), scale)
@@ -171,9 +196,8 @@ def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
         gs = tl.math.div_rn(gs, 2688.0)
         gs = tl.where(gs > 0, gs, 1.0)
         X = tl.reshape(S, (BV, NB, 16))
-        finb = tl.abs(X) < float("inf")
-        bad = tl.max(tl.where(finb, 0, 1), axis=2) > 0
-        bamax = tl.max(tl.where(finb, tl.abs(X), 0.0), axis=2)
+        bamax = tl.reduce(tl.abs(X), 2, _max_nan)  # as for fp8
+        bad = (bamax < float("inf")) == 0
         t = tl.math.div_rn(tl.math.div_rn(bamax, tl.full(bamax.shape, 6.0, tl.float32)),
                            tl.full(bamax.shape, 1.0, tl.float32) * gs)
         s = grid_round(t, t.to(tl.int64), 3, -6, 448.0, False)  # RNE onto the e4m3 grid
