@@ -59,9 +59,8 @@ def refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T: tl.conste
 def refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP: tl.constexpr, T: tl.constexpr, L: tl.constexpr,
                  EARLY: tl.constexpr):
     """Which of the B batch rows refresh this step, for a persistent refresh launch: (need [BP],
-    ordinal of each refreshing row among them [BP], their count, slot ids [BP], committed counts
-    [BP]). Every program computes it from B slot ids and cursors (a few hundred bytes,
-    L2-resident), so no launch waits on another."""
+    ordinal of each refreshing row among them [BP], their count). Every program computes it from
+    B slot ids and cursors (a few hundred bytes, L2-resident), so no launch waits on another."""
     bi = tl.arange(0, BP)
     slot = tl.load(slots_ptr + bi, mask=bi < B, other=-1)
     valid = slot >= 0
@@ -71,21 +70,17 @@ def refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP: tl.constexpr, T: 
         h = tl.load(committed_ptr + tl.where(valid, slot, 0), mask=valid, other=0)
     need = valid & (h + T > L)
     count = need.to(tl.int32)
-    return need, tl.cumsum(count, 0) - 1, tl.sum(count, 0), slot, h
+    return need, tl.cumsum(count, 0) - 1, tl.sum(count, 0)
 
 
 @triton.jit
-def refresh_item(need, ordinal, slot, h, w, NB: tl.constexpr, NH):
+def refresh_item(need, ordinal, w, slots_ptr, committed_ptr, SCRATCH, NB: tl.constexpr, NH):
     """Work item w of a persistent refresh: (row block, head, batch row, storage row, committed
-    count h), the row block varying fastest (neighbouring items stream one slot's contiguous
-    state). Picked out of ``refresh_plan``'s vectors, not loaded: a load here would put two
-    round trips to memory before every item's state loads (measured: the persistent launch then
-    lost to one program per tile when every slot refreshes)."""
+    count h), the row block varying fastest (neighbouring items stream one slot's contiguous state)."""
     r = w // (NH * NB)
-    pick = need & (ordinal == r)
-    pid_b = tl.sum(tl.where(pick, tl.arange(0, need.shape[0]), 0), 0)
-    row = tl.sum(tl.where(pick, slot, 0), 0).to(tl.int64)  # a refreshing slot is never a pad
-    return w % NB, (w // NB) % NH, pid_b, row, tl.sum(tl.where(pick, h, 0), 0)
+    pid_b = tl.sum(tl.where(need & (ordinal == r), tl.arange(0, need.shape[0]), 0), 0)
+    _, row = slot_row(slots_ptr, pid_b, SCRATCH)
+    return w % NB, (w // NB) % NH, pid_b, row, tl.load(committed_ptr + row)
 
 
 @triton.jit

@@ -206,11 +206,11 @@ def _gdn_refresh_kernel(
     of slots that do not refresh exit after two loads."""
     after_previous_launch(PDL)
     if PERSISTENT:
-        need, ordinal, count, slot, hs = refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP, T, L,
-                                                      EARLY_CURSOR)
+        need, ordinal, count = refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP, T, L, EARLY_CURSOR)
         w = tl.program_id(0)
         while w < count * HV * (DV // BV):  # a while loop: the interpreter's range needs host ints
-            pid_v, head, pid_b, row, h = refresh_item(need, ordinal, slot, hs, w, DV // BV, HV)
+            pid_v, head, pid_b, row, h = refresh_item(need, ordinal, w, slots_ptr, committed_ptr, SCRATCH, DV // BV,
+                                                      HV)
             _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr, av_ptr, as_ptr, ag_ptr,
                               rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, 0.0, HV, HK, L, LP, DV, DK, BV,
                               KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, False, PIN)

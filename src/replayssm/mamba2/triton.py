@@ -141,11 +141,10 @@ def _mamba2_refresh_kernel(
     ``_gdn_refresh_kernel``."""
     after_previous_launch(PDL)
     if PERSISTENT:
-        need, ordinal, count, slot, hs = refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP, T, L,
-                                                      EARLY_CURSOR)
+        need, ordinal, count = refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP, T, L, EARLY_CURSOR)
         w = tl.program_id(0)
         while w < count * H * (DV // BV):  # a while loop: the interpreter's range needs host ints
-            pid_v, head, _, row, h = refresh_item(need, ordinal, slot, hs, w, DV // BV, H)
+            pid_v, head, _, row, h = refresh_item(need, ordinal, w, slots_ptr, committed_ptr, SCRATCH, DV // BV, H)
             _mamba2_refresh_rows(pid_v, head, row, h, seeds_ptr, tokens_ptr, av_ptr,
                                  as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, H, G, L,
                                  LP, DV, DK, BV, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT)
