@@ -372,23 +372,34 @@ def launch_shape(cache, arch: str, T: int = 1) -> tuple[int, int, bool, int, int
             TUNING.get("loads", loads))
 
 
-#: (rows, warps) per program of the split refresh launch, by architecture, where it differs from
-#: the step kernel's. A refresh shape is only allowed where the GPU gives the fold the same bits at
-#: both shapes, or results would depend on the batch size (below SPLIT_MIN_BATCH the step kernel
-#: refreshes at its own shape): checked by benchmarks/refresh_bits.py on the H200. GDN's token
-#: loop gives the same bits at 16x1 ... 64x4 and is fastest at 16x2 (H200, batch 256, staggered,
-#: us per step with the refresh at 64x4 -> 16x2: s32_rs 500 -> 477, tp16_hi32 497 -> 472,
-#: tp8_hi32 449 -> 446). Its substitution form does not (other anchor bits at 16x2 than at 64x4).
-#: Mamba-2's chunked fold gave the same bits at 16x2 and 32x2 but is not faster there.
-REFRESH_SHAPES = {"gdn": (16, 2)}
+#: (rows, warps) per program of the split refresh launch where it differs from the step kernel's:
+#: (arch, read format) -> entries (least draft length, rows, warps), by increasing least length; a
+#: step of T tokens takes the last entry whose least length is <= T. A refresh shape is only
+#: allowed where the GPU gives the fold the same bits at every shape in use, or results would
+#: depend on the format, the draft length or the batch size (below SPLIT_MIN_BATCH the step kernel
+#: refreshes at its own shape): checked by benchmarks/refresh_bits.py on the H200 (``--split-only``:
+#: GDN's token loop gives the same outputs and state at 16x2, 32x2, 32x4 and 64x4, not at 32x1;
+#: Mamba-2's chunked fold at 32x1, 32x2, 64x1 and 64x2; ``--anchors``: the same GDN anchor for
+#: every read format). An empty refresh launch (no slot due) costs an H200 40 us for Mamba-2's
+#: 65536 programs and 80 us for GDN's 131072 at batch 256 (at most 32 resident programs per
+#: multiprocessor, each waiting on its slot id), so larger tiles help the staggered steps where the
+#: fold's registers allow (eleventh session, us per step, batch 256, staggered, GDN 16x2 -> the
+#: entry: s32_rs 416.6 -> 405.6 (32x2; every slot refreshing 1491.6 -> 1530.3), tp16_hi32 364.5 ->
+#: 353.1 (32x4); tp8_hi32 339.8 at 16x2, 339.4 at 32x4; Mamba-2 tp8_hi32 32x1 -> 32x2 232.8 ->
+#: 220.8, while s32_rs (344.0; 64x1 342.8) and tp16_hi32 (234.1; 32x2 235.9) keep the step's).
+#: GDN T = 4 rounds, tenth session: s32_rs 933.9 -> 896.9 at 32x2, tp8_hi32 936.5 -> 986.5.
+REFRESH_SHAPES = {("gdn", "fp32"): ((1, 32, 2),), ("gdn", "fp16"): ((1, 32, 4),), ("gdn", "bf16"): ((1, 32, 4),),
+                  ("gdn", "fp8_e4m3"): ((1, 16, 2),), ("mamba2", "fp8_e4m3"): ((1, 32, 2),)}
 
 
-def refresh_shape(cache, arch: str, rows: int, warps: int) -> tuple[int, int]:
-    """(rows, warps) per program of the split refresh launch, given the step kernel's:
-    ``REFRESH_SHAPES`` or the step's, ``TUNING["refresh_rows"]`` / ``["refresh_warps"]`` over
-    that, rows as ``_tile_rows`` allows."""
+def refresh_shape(cache, arch: str, rows: int, warps: int, T: int = 1) -> tuple[int, int]:
+    """(rows, warps) per program of the split refresh launch of a step of T tokens, given the
+    step kernel's: ``REFRESH_SHAPES`` or the step's, ``TUNING["refresh_rows"]`` /
+    ``["refresh_warps"]`` over that, rows as ``_tile_rows`` allows."""
     if not _uses_nvfp4(cache):  # NVFP4 programs own one scale block of rows: the step's shape
-        rows, warps = REFRESH_SHAPES.get(arch, (rows, warps))
+        for least, r, w in REFRESH_SHAPES.get((arch, cache.precision.read_format.name), ()):
+            if T >= least:
+                rows, warps = r, w
     return _tile_rows(cache, TUNING.get("refresh_rows", rows)), TUNING.get("refresh_warps", warps)
 
 

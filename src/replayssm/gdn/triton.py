@@ -395,7 +395,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     q, k = qn, kn
     grid = (V // bv, HV, b)
     if split:
-        rbv, rwarps = launch.refresh_shape(cache, "gdn", bv, warps)
+        rbv, rwarps = launch.refresh_shape(cache, "gdn", bv, warps, T)
         rgrid, persistent = launch.refresh_grid(v.device, (V // rbv, HV, b), T, cache.window)
         launch.run(_gdn_refresh_kernel, rgrid, slots, cache.committed, cursors, cache.tokens,
                    cache.seeds, gram, *anchor, *read, buf["k"], buf["v"], buf["g"], buf["beta"], cache.scratch_row, HV,

@@ -331,7 +331,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
                HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), EARLY_CURSOR=early)
     grid = (P // bv, H, b)
     if split:
-        rbv, rwarps = launch.refresh_shape(cache, "mamba2", bv, warps)
+        rbv, rwarps = launch.refresh_shape(cache, "mamba2", bv, warps, T)
         rgrid, persistent = launch.refresh_grid(x.device, (P // rbv, H, b), T, cache.window)
         launch.run(_mamba2_refresh_kernel, rgrid, slots, cache.committed, cursors, cache.tokens,
                    cache.seeds, *anchor, *read, buf["x"], buf["dt"], buf["log_alpha"], buf["B"], cache.scratch_row,
