@@ -149,8 +149,8 @@ def test_split_refresh_launch_matches_the_fused_kernel_bit_for_bit(arch, precisi
     checkpoint and outputs as the fused step kernel, stochastic rounding included, with the cursor
     copied early (the default) or loaded by each kernel, and with the refresh launch one program
     per tile (the default) or persistent (a few programs loop over the refreshing slots' tiles, or
-    one program per tile of ceil(b T / L) slots), or with two heads per refresh program
-    (``launch.refresh_heads``); the fused one must differ once a refresh is skipped, so the comparison can fail."""
+    one program per tile of ceil(b T / L) slots);
+    the fused one must differ once a refresh is skipped, so the comparison can fail."""
     from replayssm._triton import launch
 
     layer = TritonLayer(arch)
@@ -162,8 +162,7 @@ def test_split_refresh_launch_matches_the_fused_kernel_bit_for_bit(arch, precisi
     for tuning in (dict(split_refresh=False), dict(split_refresh=True), dict(split_refresh=True, early_cursor=False),
                    dict(split_refresh=False, early_cursor=False),
                    dict(split_refresh=True, persistent_refresh=True),
-                   dict(split_refresh=True, persistent_refresh=True, refresh_programs=0),
-                   dict(split_refresh=True, refresh_heads=2)):
+                   dict(split_refresh=True, persistent_refresh=True, refresh_programs=0)):
         cache = layer.cache(3, window=4, max_draft=2, precision=precision)
         cache.load_state(slots, state)
         launch.TUNING.update(tuning)

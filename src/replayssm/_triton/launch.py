@@ -200,7 +200,7 @@ def check_geometry(cache):
 #: "refresh_dot": bool, "split_refresh": bool, "early_cursor": bool, "output_dot": bool,
 #: "refresh_rows": int, "refresh_warps": int, "persistent_refresh": bool, "refresh_columns": int,
 #: "pdl": bool, "fp_fusion": bool, "pin_vector_width": bool, "step_pin": int, "loads": int,
-#: "refresh_programs": int, "stream": int, "refresh_heads": int};
+#: "refresh_programs": int, "stream": int};
 #: ``parse_shape`` reads them from a label. Each default is the faster one measured
 #: (BENCHMARKS.md) among those that keep the anchor's bits: ``early_cursor`` on (``cursor_args``),
 #: ``output_dot`` by draft length (``OUTPUT_DOT_MIN_DRAFT``), ``refresh_dot`` off for GDN
@@ -272,10 +272,8 @@ def parse_shape(text: str) -> dict:
     or ``DRAFT_SHAPES`` for the preset and draft length); then "f" and a number: the step's load
     order (``LOAD_ORDERS``; without "f", the tables'; "f" alone: 2); after "/",
     the refresh launch's rows x warps; after "@", the columns a Mamba-2 refresh folds at a time;
-    after "#", a persistent refresh launch's programs (``refresh_grid``); after "^", the heads per
-    refresh program (``refresh_heads``). E.g. "32x4dsep/16x2",
+    after "#", a persistent refresh launch's programs (``refresh_grid``). E.g. "32x4dsep/16x2",
     "32x2dse@64", "32x2dsel", "32x1sev16/16x2", "32x1dsev16f1", "32x1se/16x2#0"."""
-    text, caret, heads = text.partition("^")
     text, hash_, programs = text.partition("#")
     text, _, columns = text.partition("@")
     text, _, refresh = text.partition("/")
@@ -302,8 +300,6 @@ def parse_shape(text: str) -> dict:
         out["refresh_rows"], out["refresh_warps"] = map(int, refresh.split("x"))
     if columns:  # "32x2dse@64": a Mamba-2 refresh folds 64 columns at a time
         out["refresh_columns"] = int(columns)
-    if caret:  # "32x1se/32x2^4": a refresh program refreshes 4 heads in turn
-        out["refresh_heads"] = int(heads)
     if hash_:  # "32x1dse#16": persistent refresh, 16 programs per multiprocessor ("#0": by slots)
         out["persistent_refresh"], out["refresh_programs"] = True, int(programs)
     return out
@@ -474,23 +470,7 @@ def stream_stages(cache, arch: str, T: int, split: bool) -> int:
 REFRESH_PROGRAMS_PER_SM = 8
 
 
-#: Heads a refresh program refreshes one after the other (``refresh_heads``).
-REFRESH_HEADS = 1
-
-
-def refresh_heads(num_heads: int) -> int:
-    """Consecutive heads per program of the split refresh launch (``REFRESH_HEADS``,
-    ``TUNING["refresh_heads"]`` over it; 1 where it does not divide the head count). The
-    programs of slots that do not refresh exit at once, but an H200 holds at most 32 programs per
-    multiprocessor, each waiting on its slot id: with none due, the launch of one program per
-    (row block, head, batch row) takes 40 us for Mamba-2 and 80 us for GDN at batch 256 (eleventh
-    session). More heads per program mean fewer such programs; the same fold per tile, the same
-    bits."""
-    heads = TUNING.get("refresh_heads", REFRESH_HEADS)
-    return heads if num_heads % heads == 0 else 1
-
-
-def refresh_grid(device, grid: tuple, T: int = 1, L: int = 16, heads: int = 1) -> tuple[tuple, bool]:
+def refresh_grid(device, grid: tuple, T: int = 1, L: int = 16) -> tuple[tuple, bool]:
     """(grid, PERSISTENT) of the split refresh launch, given the one-program-per-tile grid (row
     blocks, heads, batch rows) of a step of T tokens in windows of L. Persistent
     (``TUNING["persistent_refresh"]``, off by default): a fixed number of programs loop over the
@@ -509,7 +489,6 @@ def refresh_grid(device, grid: tuple, T: int = 1, L: int = 16, heads: int = 1) -
     but every slot refreshing 875.9 -> 1025.5."""
     if not TUNING.get("persistent_refresh", False):
         return grid, False
-    grid = (grid[0], grid[1] * heads, grid[2])  # a persistent program takes one head at a time
     tiles = grid[0] * grid[1] * grid[2]
     per_sm = TUNING.get("refresh_programs", REFRESH_PROGRAMS_PER_SM)
     if per_sm == 0:

@@ -199,12 +199,11 @@ def _gdn_refresh_kernel(
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
         BV: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr,
         R_SR: tl.constexpr, SHARED: tl.constexpr, EARLY_CURSOR: tl.constexpr, REFRESH_DOT: tl.constexpr,
-        PERSISTENT: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr, PIN: tl.constexpr = False,
-        HEADS: tl.constexpr = 1):
+        PERSISTENT: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr, PIN: tl.constexpr = False):
     """The refresh alone (the step kernel then runs with FUSED_REFRESH=False). PERSISTENT: a
     fixed number of programs loop over the row blocks of the refreshing slots only
-    (``launch.refresh_grid``); otherwise one program per (row block, HEADS consecutive heads, batch
-    row), and those of slots that do not refresh exit after two loads (``launch.refresh_heads``)."""
+    (``launch.refresh_grid``); otherwise one program per (row block, head, batch row), and those
+    of slots that do not refresh exit after two loads."""
     after_previous_launch(PDL)
     if PERSISTENT:
         need, ordinal, count = refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP, T, L, EARLY_CURSOR)
@@ -217,21 +216,12 @@ def _gdn_refresh_kernel(
                               KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, False, PIN)
             w += tl.num_programs(0)
     else:
-        pid_v, heads, pid_b, row, h, need = refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T, L,
-                                                            EARLY_CURSOR)
+        pid_v, head, pid_b, row, h, need = refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T, L,
+                                                           EARLY_CURSOR)
         if need:
-            if HEADS == 1:
-                _gdn_refresh_rows(pid_v, heads, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr, av_ptr, as_ptr,
-                                  ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, 0.0, HV, HK, L,
-                                  LP, DV, DK, BV, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, False, PIN)
-            else:
-                i = 0
-                while i < HEADS:  # one head after another (a constant-bound for loop is unrolled or pipelined)
-                    _gdn_refresh_rows(pid_v, heads * HEADS + i, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr,
-                                      av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr,
-                                      bbeta_ptr, 0.0, HV, HK, L, LP, DV, DK, BV, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED,
-                                      REFRESH_DOT, False, PIN)
-                    i += 1
+            _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr, av_ptr, as_ptr, ag_ptr,
+                              rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, 0.0, HV, HK, L, LP, DV, DK, BV,
+                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, False, PIN)
 
 
 @triton.jit
@@ -406,13 +396,12 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     grid = (V // bv, HV, b)
     if split:
         rbv, rwarps = launch.refresh_shape(cache, "gdn", bv, warps, T)
-        heads = launch.refresh_heads(HV)
-        rgrid, persistent = launch.refresh_grid(v.device, (V // rbv, HV // heads, b), T, cache.window, heads)
+        rgrid, persistent = launch.refresh_grid(v.device, (V // rbv, HV, b), T, cache.window)
         launch.run(_gdn_refresh_kernel, rgrid, slots, cache.committed, cursors, cache.tokens,
                    cache.seeds, gram, *anchor, *read, buf["k"], buf["v"], buf["g"], buf["beta"], cache.scratch_row, HV,
                    HK, b, T=T, L=cache.window, LP=LP, DV=V, DK=cache.head_k_dim, BV=rbv, KC=kc, EARLY_CURSOR=early,
                    REFRESH_DOT=refresh_dot, PERSISTENT=persistent, BP=triton.next_power_of_2(b), num_warps=rwarps,
-                   PIN=launch.pin_vector_width(), HEADS=heads,
+                   PIN=launch.pin_vector_width(),
                    **consts)
     launch.run(
         _gdn_step_kernel, grid,

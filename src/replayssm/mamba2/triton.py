@@ -136,9 +136,9 @@ def _mamba2_refresh_kernel(
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, REFRESH_DOT: tl.constexpr, EARLY_CURSOR: tl.constexpr,
-        PERSISTENT: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr, HEADS: tl.constexpr = 1):
-    """The refresh alone (the step kernel then runs with FUSED_REFRESH=False); PERSISTENT and
-    HEADS as in ``_gdn_refresh_kernel``."""
+        PERSISTENT: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr):
+    """The refresh alone (the step kernel then runs with FUSED_REFRESH=False); PERSISTENT as in
+    ``_gdn_refresh_kernel``."""
     after_previous_launch(PDL)
     if PERSISTENT:
         need, ordinal, count = refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP, T, L, EARLY_CURSOR)
@@ -150,20 +150,12 @@ def _mamba2_refresh_kernel(
                                  LP, DV, DK, BV, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT)
             w += tl.num_programs(0)
     else:
-        pid_v, heads, pid_b, row, h, need = refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T, L,
-                                                            EARLY_CURSOR)
+        pid_v, head, pid_b, row, h, need = refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T, L,
+                                                           EARLY_CURSOR)
         if need:
-            if HEADS == 1:
-                _mamba2_refresh_rows(pid_v, heads, row, h, seeds_ptr, tokens_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr,
-                                     rs_ptr, rg_ptr, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, H, G, L, LP, DV, DK, BV, KC,
-                                     A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT)
-            else:
-                i = 0
-                while i < HEADS:  # one head after another (a constant-bound for loop is unrolled or pipelined)
-                    _mamba2_refresh_rows(pid_v, heads * HEADS + i, row, h, seeds_ptr, tokens_ptr, av_ptr, as_ptr,
-                                         ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, H, G, L, LP,
-                                         DV, DK, BV, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT)
-                    i += 1
+            _mamba2_refresh_rows(pid_v, head, row, h, seeds_ptr, tokens_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr,
+                                 rs_ptr, rg_ptr, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, H, G, L, LP, DV, DK, BV, KC,
+                                 A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT)
 
 
 @triton.jit
@@ -340,14 +332,13 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     grid = (P // bv, H, b)
     if split:
         rbv, rwarps = launch.refresh_shape(cache, "mamba2", bv, warps, T)
-        heads = launch.refresh_heads(H)
-        rgrid, persistent = launch.refresh_grid(x.device, (P // rbv, H // heads, b), T, cache.window, heads)
+        rgrid, persistent = launch.refresh_grid(x.device, (P // rbv, H, b), T, cache.window)
         launch.run(_mamba2_refresh_kernel, rgrid, slots, cache.committed, cursors, cache.tokens,
                    cache.seeds, *anchor, *read, buf["x"], buf["dt"], buf["log_alpha"], buf["B"], cache.scratch_row,
                    H, cache.ngroups, b,
                    T=T, L=cache.window, LP=LP, DV=P, DK=cache.dstate, BV=rbv, KC=kc, REFRESH_DOT=refresh_dot,
-                   EARLY_CURSOR=early, PERSISTENT=persistent, BP=triton.next_power_of_2(b), HEADS=heads,
-                   num_warps=rwarps, **consts)
+                   EARLY_CURSOR=early, PERSISTENT=persistent, BP=triton.next_power_of_2(b), num_warps=rwarps,
+                   **consts)
     launch.run(
         _mamba2_step_kernel, grid,
         slots, cache.committed, cursors, cache.tokens, cache.seeds, *anchor, *read,
