@@ -327,6 +327,32 @@ def test_only_gdn_verify_steps_stream_their_read_copy():
         launch.TUNING.clear()
 
 
+def test_refresh_shapes_by_read_format_and_draft_length():
+    """``launch.REFRESH_SHAPES``: the split refresh launch takes the entry of its architecture and
+    read format (the last one whose least draft length is <= T), else the step's shape; NVFP4
+    keeps the step's (its programs own a scale block of rows); TUNING overrides."""
+    pytest.importorskip("triton")
+    import replayssm as rs
+    from replayssm._triton import launch
+
+    for arch, fmt in launch.REFRESH_SHAPES:
+        assert launch.REFRESH_SHAPES[(arch, fmt)][0][0] == 1  # decode has an entry too
+    gdn = {p: rs.GDNCache(1, 2, 4, 128, 128, precision=p, device="meta")
+           for p in ("s32_rs", "tp16_hi32", "tp8_hi32", "tp4_hi32")}
+    for preset, fmt in (("s32_rs", "fp32"), ("tp16_hi32", "fp16"), ("tp8_hi32", "fp8_e4m3")):
+        for T in (1, 4):
+            want = [(r, w) for least, r, w in launch.REFRESH_SHAPES[("gdn", fmt)] if T >= least][-1]
+            assert launch.refresh_shape(gdn[preset], "gdn", 32, 1, T) == want
+    assert launch.refresh_shape(gdn["tp4_hi32"], "gdn", 32, 4, 1) == (32, 4)
+    m2 = rs.Mamba2Cache(1, 2, 64, 128, ngroups=1, precision="s32_rs", device="meta")
+    assert ("mamba2", "fp32") not in launch.REFRESH_SHAPES and launch.refresh_shape(m2, "mamba2", 32, 1) == (32, 1)
+    try:
+        launch.TUNING.update(refresh_rows=16, refresh_warps=2)
+        assert launch.refresh_shape(gdn["s32_rs"], "gdn", 32, 1, 4) == (16, 2)
+    finally:
+        launch.TUNING.clear()
+
+
 def test_mamba2_steps_never_load_before_the_refresh():
     """``launch.LOAD_ORDERS``: order 2 issues a step's loads before a fused refresh, and on the
     H200 a fused Mamba-2 step then gave other output bits than the split launch (BENCHMARKS.md,
