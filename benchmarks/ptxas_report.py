@@ -179,7 +179,9 @@ def anchor_ops(arch: str, presets: list[str]) -> dict:
     the split refresh kernel and, where the defaults ever fuse the refresh (Mamba-2 below
     ``launch.SPLIT_MIN_BATCH``), in the step kernel with the refresh fused: a compile-level check
     of DESIGN §3 (the read precision leaves the anchor bit-identical) for presets with the same
-    anchor format and tiles. The bits themselves are checked on the GPU (refresh_bits.py
+    anchor format, each refresh at the first preset's tile (``launch.REFRESH_SHAPES`` picks the
+    tile by read format: that the fold gives the same bits at each of those tiles is a GPU fact,
+    refresh_bits.py --split-only). The bits themselves are checked on the GPU (refresh_bits.py
     --anchors). Prints and returns {(kernel, preset): same}."""
     found = {}
     tuning = dict(launch.TUNING)  # --tuning, kept for every recording
@@ -189,6 +191,10 @@ def anchor_ops(arch: str, presets: list[str]) -> dict:
     for split, name, values_only in kinds:
         launch.TUNING.update(tuning, split_refresh=split)
         try:
+            first = next((k, a, kw) for k, a, kw in record_step(arch, presets[0]) if name in k.fn.__name__)
+            if split:  # every preset at the first one's refresh tile (launch.REFRESH_SHAPES varies it by format)
+                launch.TUNING.setdefault("refresh_rows", first[2]["BV"])
+                launch.TUNING.setdefault("refresh_warps", first[2]["num_warps"])
             kernels = {p: next((k, a, kw) for k, a, kw in record_step(arch, p) if name in k.fn.__name__)
                        for p in presets}
         finally:

@@ -201,7 +201,9 @@ def test_read_precision_leaves_the_anchors_operations_unchanged(tmp_path, arch, 
     them the compile is not the device's, and this check passed while the GPU's GDN anchors
     differed), the operations behind the anchor's stores (ptxas_report.anchor_slice), with the
     layouts of the reductions and products that combine values, are the same for an fp16 or fp8
-    read copy as for the shared fp32 copy, in every kernel that refreshes by default. Unpinned
+    read copy as for the shared fp32 copy, in every kernel that refreshes by default (each at the
+    shared copy's refresh tile: that the tiles ``launch.REFRESH_SHAPES`` picks by format fold
+    alike is a GPU check, refresh_bits.py --split-only). Unpinned
     (``launch.pin_vector_width``), GDN's token-loop fold follows the read copy's vector width and
     must differ: the failure the H200 showed (BENCHMARKS.md, seventh session)."""
     pytest.importorskip("triton")
