@@ -80,8 +80,9 @@ def grid_round(y, r24, M: tl.constexpr, EMIN: tl.constexpr, MAXV: tl.constexpr, 
         res = tl.abs((qr * _pow2(tl.full(e.shape, -M, tl.int32))) * _pow2(e))  # |qr 2**-M| <= 2: no overflow
     else:
         # nearest-even by adding and taking away c = 1.5 * 2**(e + 23 - M): the sum's ulp is the
-        # grid's spacing 2**(e - M), so the fp32 addition rounds onto the grid (exact for
-        # |y| < 2**(e + 1); e + 150 - M stays in fp32's exponent range for EMIN > -126 - M)
+        # grid's spacing 2**(e - M), so the fp32 addition rounds onto the grid (|y| < 2**(e + 1)
+        # keeps the sum in c's binade). c is a normal fp32 number for every grid but bf16's
+        # (e + 150 - M in [1, 254]), which rounds on its bits above
         c = (((e + (150 - M)) << 23) | 0x400000).to(tl.float32, bitcast=True)
         res = (yd + c) - c
     # copy the sign bit (a zero result keeps the sign of y; triton's negation is 0 - x)
