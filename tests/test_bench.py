@@ -35,6 +35,16 @@ def test_without_gpu_it_says_so_and_exits_nonzero(capsys):
     assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
+def test_kernel_profile_without_gpu_says_so_and_exits_nonzero():
+    """benchmarks/profile_kernels.py (device time per kernel of a step) needs a GPU."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "src"))
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "profile_kernels.py"), "gdn:s32_rs:1"],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2 and "needs a CUDA GPU" in done.stderr, done.stderr
+
+
 def test_geometry_names_and_tuples():
     assert bench.parse_geometry("qwen35-122b", "all") == GEOMETRIES["qwen35-122b"]
     assert bench.parse_geometry("8,64,128,1", "mamba2") == ("mamba2", (8, 64, 128, 1))
