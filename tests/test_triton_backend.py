@@ -45,6 +45,15 @@ class TritonLayer:
         return fn(cache, slots, **{k: v[:, 0] for k, v in tok.items()}, **consts, backend="triton")[:, None]
 
 
+def _two_slots(layer, seed, steps, T=1, order=(1, 0)):
+    """(slot ids ``order``, their random states [2, ...], ``steps`` token batches of T tokens),
+    drawn in that order from one generator: the inputs of the tests that run one schedule under
+    several launch configurations and compare."""
+    g = helpers.generator(seed)
+    state = torch.randn(2, *layer.state_shape, generator=g)
+    return torch.tensor(order), state, [layer.tokens(g, 2, T) for _ in range(steps)]
+
+
 def _schedule(tr, rounds, rng):
     """Decode, then verify/accept rounds over every accept count, with a pad and staggered slots."""
     tr.load([0, 1, 2])
@@ -206,10 +215,7 @@ def test_split_refresh_at_its_own_launch_shape_refreshes_every_row(arch, persist
                 "gdn": dict(num_k_heads=1, num_v_heads=2, head_k_dim=32, head_v_dim=32)}[arch]
     layer = TritonLayer(arch, **geometry)
     base = layer.base
-    g = helpers.generator(17)
-    slots = torch.tensor([1, 0])
-    state = torch.randn(2, *base.state_shape, generator=g)
-    toks = [base.tokens(g, 2, 1) for _ in range(5)]  # window 4: the fifth step refreshes
+    slots, state, toks = _two_slots(layer, 17, steps=5)  # window 4: the fifth step refreshes
     snaps = []
     for tuning in (dict(split_refresh=False),
                    dict(split_refresh=True, refresh_rows=16, refresh_warps=1, persistent_refresh=persistent)):
@@ -235,10 +241,7 @@ def test_mamba2_refresh_in_column_chunks_matches_whole_rows(precision):
 
     layer = TritonLayer("mamba2", nheads=2, headdim=16, dstate=64, ngroups=1)
     base = layer.base
-    g = helpers.generator(23)
-    slots = torch.tensor([0, 1])
-    state = torch.randn(2, *base.state_shape, generator=g)
-    toks = [base.tokens(g, 2, 1) for _ in range(6)]  # window 4: steps 5 and 6 refresh
+    slots, state, toks = _two_slots(layer, 23, steps=6, order=(0, 1))  # window 4: steps 5 and 6 refresh
     snaps = []
     for tuning in (dict(refresh_columns=64), dict(refresh_columns=32), dict(refresh_columns=32, split_refresh=True)):
         cache = base.cache(2, window=4, max_draft=1, precision=precision)
@@ -308,10 +311,7 @@ def test_streamed_products_over_several_chunks(arch, precision):
                 "gdn": dict(num_k_heads=1, num_v_heads=2, head_k_dim=64, head_v_dim=16)}[arch]
     layer = TritonLayer(arch, **geometry)
     base = layer.base
-    g = helpers.generator(29)
-    slots = torch.tensor([1, 0])
-    state = torch.randn(2, *base.state_shape, generator=g)
-    toks = [base.tokens(g, 2, 2) for _ in range(5)]  # window 4, verify rounds of 2: rounds 3 and 5 refresh
+    slots, state, toks = _two_slots(layer, 29, steps=5, T=2)  # window 4, verify rounds of 2: rounds 3 and 5 refresh
     runs = []
     for stream in (0, 2):
         cache = base.cache(2, window=4, max_draft=2, precision=precision)
