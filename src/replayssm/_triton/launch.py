@@ -355,6 +355,17 @@ DRAFT_SHAPES = {("mamba2", "fp32"): ((2, 32, 1, 16, 1),),
                 ("gdn", "bf16"): ((4, 32, 1, 0, 0),), ("gdn", "fp8_e4m3"): ((4, 32, 1, 0, 0), (8, 64, 4, 0, 0))}
 
 
+def by_draft(entries, T: int, default):
+    """How the tables by draft length are read (``DRAFT_SHAPES``, ``REFRESH_SHAPES``,
+    ``STREAM_STAGES``): the fields after the least draft length of the last entry whose least
+    length is <= T (entries by increasing least length), else ``default``."""
+    found = default
+    for least, *fields in entries:
+        if T >= least:
+            found = tuple(fields)
+    return found
+
+
 def launch_shape(cache, arch: str, T: int = 1) -> tuple[int, int, bool, int, int]:
     """(rows of a head per program, warps per program, refresh on tensor cores, elements per
     thread pinned on the step's read-copy load or 0, load order of ``LOAD_ORDERS``) for a step of
@@ -362,11 +373,11 @@ def launch_shape(cache, arch: str, T: int = 1) -> tuple[int, int, bool, int, int
     ``_tile_rows`` allows)."""
     fmt = cache.precision.read_format.name
     rows, warps, dot, pin, loads = SHAPES[(arch, fmt)]
-    for least, draft_rows, draft_warps, draft_pin, draft_loads in DRAFT_SHAPES.get((arch, fmt), ()):
-        if T >= least:
-            pin, loads = draft_pin, draft_loads
-            if split_refresh(arch, 1, T):
-                rows, warps = draft_rows, draft_warps
+    draft = by_draft(DRAFT_SHAPES.get((arch, fmt), ()), T, None)
+    if draft:
+        draft_rows, draft_warps, pin, loads = draft
+        if split_refresh(arch, 1, T):
+            rows, warps = draft_rows, draft_warps
     rows = _tile_rows(cache, TUNING.get("block_rows", rows))
     return (rows, TUNING.get("num_warps", warps), TUNING.get("refresh_dot", dot), TUNING.get("step_pin", pin),
             TUNING.get("loads", loads))
@@ -397,9 +408,7 @@ def refresh_shape(cache, arch: str, rows: int, warps: int, T: int = 1) -> tuple[
     step kernel's: ``REFRESH_SHAPES`` or the step's, ``TUNING["refresh_rows"]`` /
     ``["refresh_warps"]`` over that, rows as ``_tile_rows`` allows."""
     if not _uses_nvfp4(cache):  # NVFP4 programs own one scale block of rows: the step's shape
-        for least, r, w in REFRESH_SHAPES.get((arch, cache.precision.read_format.name), ()):
-            if T >= least:
-                rows, warps = r, w
+        rows, warps = by_draft(REFRESH_SHAPES.get((arch, cache.precision.read_format.name), ()), T, (rows, warps))
     return _tile_rows(cache, TUNING.get("refresh_rows", rows)), TUNING.get("refresh_warps", warps)
 
 
@@ -456,11 +465,7 @@ def stream_stages(cache, arch: str, T: int, split: bool) -> int:
     Only with the outputs' products on tensor cores (``output_dot``), an element-wise or fp8 read
     copy, and the refresh in its own launch (a fused refresh folds from the loaded tile).
     ``STREAM_STAGES`` by draft length; ``TUNING["stream"]`` overrides it (0 = off)."""
-    stages = 0
-    for least, table_stages in STREAM_STAGES[arch]:
-        if T >= least:
-            stages = table_stages
-    stages = TUNING.get("stream", stages)
+    stages = TUNING.get("stream", by_draft(STREAM_STAGES[arch], T, (0,))[0])
     if not (stages and split and output_dot(cache, arch, T)) or cache.precision.read_format.name == "nvfp4":
         return 0
     return stages
