@@ -83,38 +83,24 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_p
         tl.store(scores_ptr + base + T * LP + j, tl.sum(K * k[None, :], 1))
 
 
-#: Log decay below which the token loop multiplies its factored-out decay back into the rows
-#: (``_fold_tokens``): e^-30 keeps 1 / c under 1.1e13, far from fp32 overflow for any residual.
-RESCALE_LOG_DECAY = tl.constexpr(-30.0)
-
-
 @triton.jit
 def _fold_tokens(S, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, row, head, khead, h, rv, HV, HK, L: tl.constexpr,
                  DV: tl.constexpr, DK: tl.constexpr):
-    """The new checkpoint's unrounded rows ``rv`` [BV, DK] from anchor rows S by the recurrence
-    over the h committed tokens (S = alpha S; u = beta (v - S k); S += u k^T), unrolled so that
-    every token's buffer loads are independent of S. The decay is kept out of the rows: with
-    S = c R and c = exp(sum of log decays so far), a token is u = beta (v - c (R k)) and
-    R += (u / c) k^T, two FMAs per element instead of a multiply and two FMAs (the loop is
-    issue-bound: about 1e9 warp instructions for a full refresh of Qwen3.5-122B's state at batch
-    256, ncu). c is multiplied back into R once at the end, or earlier when log c falls below
-    RESCALE_LOG_DECAY (a branch uniform over the program: one head), so 1 / c never overflows.
-    Every element gets the same operations whatever the tile, so the bits do not depend on it."""
+    """The new checkpoint's unrounded rows ``rv`` [BV, DK] from anchor rows S by the conventional
+    recurrence over the h committed tokens (S = alpha S; u = beta (v - S k); S += u k^T),
+    unrolled so that every token's buffer loads are independent of S. Its [BV, DK] row
+    reductions form a chain of L dependent steps and make it issue-bound (about 1e9 warp
+    instructions for a full refresh of Qwen3.5-122B's state at batch 256, ncu)."""
     ck = tl.arange(0, DK)
-    log_c = tl.zeros((), dtype=tl.float32)
     for jj in tl.static_range(L):
         tok_j = row * L + jj
         m = jj < h
         kr = tl.load(bk_ptr + (tok_j * HK + khead) * DK + ck, mask=m & (ck < DK), other=0.0).to(tl.float32)
         vr = tl.load(bv_ptr + (tok_j * HV + head) * DV + rv, mask=m & (rv < DV), other=0.0).to(tl.float32)
-        log_c += tl.load(bg_ptr + tok_j * HV + head, mask=m, other=0.0)
-        if log_c < RESCALE_LOG_DECAY:
-            S = S * tl.exp(log_c)
-            log_c = tl.zeros((), dtype=tl.float32)
-        u = tl.load(bbeta_ptr + tok_j * HV + head, mask=m, other=0.0) * \
-            (vr - tl.exp(log_c) * tl.sum(S * kr[None, :], 1))
-        S += (u * tl.exp(-log_c))[:, None] * kr[None, :]
-    return S * tl.exp(log_c)
+        S = S * tl.exp(tl.load(bg_ptr + tok_j * HV + head, mask=m, other=0.0))
+        u = tl.load(bbeta_ptr + tok_j * HV + head, mask=m, other=0.0) * (vr - tl.sum(S * kr[None, :], 1))
+        S += u[:, None] * kr[None, :]
+    return S
 
 
 @triton.jit
