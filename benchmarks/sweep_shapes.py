@@ -31,7 +31,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default="s32_rs,tp16_hi32,tp8_hi32")
     ap.add_argument("--check-presets", default="s32_rs,tp8_hi32,tp4_hi16_sr,f4_sr_rs")
-    ap.add_argument("--shapes", default="32x2ds,32x4ds", help="Mamba-2 step kernel shapes")
+    ap.add_argument("--shapes", default="32x2ds,32x4ds", help="Mamba-2 step kernel shapes (launch.parse_shape labels, or default)")
     ap.add_argument("--gdn-shapes", default="64x4s,64x4ds,32x4ds,16x2ds", help="GDN step kernel shapes")
     ap.add_argument("--drafts", default="1,4", help="T values to time")
     ap.add_argument("--conv-shapes", default="8x1,16x1")
@@ -69,8 +69,8 @@ def main():
                 out["rows"].append(dict(arch=arch, T=T, kernel="conventional", shape=shape, us=us, tbs=gbs))
             for preset in args.presets.split(","):
                 for shape in (args.shapes if arch == "mamba2" else args.gdn_shapes).split(","):
-                    tuning = launch.parse_shape(shape)
-                    if T > 1 and tuning["block_rows"] > 64:
+                    tuning = {} if shape == "default" else launch.parse_shape(shape)
+                    if T > 1 and tuning.get("block_rows", 0) > 64:
                         continue
                     launch.TUNING.clear()
                     launch.TUNING.update(tuning)
