@@ -41,7 +41,10 @@ def main():
     ap.add_argument("--check-shapes", default="", metavar="LABELS",
                     help="also run the checks under these launch.parse_shape labels (Mamba-2 labels, then GDN "
                          "labels after ';'), e.g. '32x2dsel;64x4sel'")
+    ap.add_argument("--tuning", action="append", default=[], metavar="KEY=INT",
+                    help="a launch.TUNING entry on top of every check and shape, e.g. two_tier_refresh=1 (repeatable)")
     args = ap.parse_args()
+    extra = {key: int(value) for key, _, value in (item.partition("=") for item in args.tuning)}
     out = {"rows": [], "checks": []}
     t0 = time.time()
     for arch in args.arch.split(","):
@@ -49,7 +52,7 @@ def main():
         labels = args.check_shapes.split(";")[0 if arch == "mamba2" else -1] if args.check_shapes else ""
         for label in ([] if args.skip_check else ["default"]) + [x for x in labels.split(",") if x]:
             launch.TUNING.clear()
-            launch.TUNING.update({} if label == "default" else launch.parse_shape(label))
+            launch.TUNING.update({} if label == "default" else launch.parse_shape(label), **extra)
             for preset in args.check_presets.split(","):
                 e, rel, se = correctness(Problem(arch, dims, args.batch, 1), preset)
                 out["checks"].append(dict(arch=arch, shape=label, preset=preset, max_abs=e, rel=rel, state=se))
@@ -73,7 +76,7 @@ def main():
                     if T > 1 and tuning.get("block_rows", 0) > 64:
                         continue
                     launch.TUNING.clear()
-                    launch.TUNING.update(tuning)
+                    launch.TUNING.update(tuning, **extra)
                     modes = ["staggered", "refresh"] if T == 1 and preset == "s32_rs" else ["staggered"]
                     for mode in modes:
                         (us, sp), tr = bench_one(p, preset, mode)

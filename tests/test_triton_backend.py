@@ -80,6 +80,7 @@ def _with_next_order(step, orders, *args):
                                            ("mamba2", "output_dot"), ("gdn", "output_dot"),
                                            ("mamba2", "load_order"), ("gdn", "load_order"),
                                            ("mamba2", "stream"), ("gdn", "stream"),
+                                           ("mamba2", "two_tier"), ("gdn", "two_tier"),
                                            ("mamba2", "all_experiments"), ("gdn", "all_experiments")])
 def test_triton_s32_matches_float64_reference(arch, variant):
     """Both refresh folds (Mamba-2: tensor-core products, the default, or token by token; GDN:
@@ -106,6 +107,8 @@ def test_triton_s32_matches_float64_reference(arch, variant):
             setattr(tr, name, functools.partial(_with_next_order, getattr(tr, name), orders))
     elif variant == "stream":  # the read copy streamed through tensor-core products (launch.stream_stages)
         launch.TUNING.update(output_dot=True, stream=2, split_refresh=True)
+    elif variant == "two_tier":  # staggered slots: some steps refresh more slots than the first tier holds
+        launch.TUNING.update(split_refresh=True, two_tier_refresh=True)
     elif variant == "all_experiments":  # as the next sweep will combine them
         launch.TUNING.update(early_cursor=True, output_dot=True, refresh_dot=True, split_refresh=True)
     else:
@@ -158,7 +161,8 @@ def test_split_refresh_launch_matches_the_fused_kernel_bit_for_bit(arch, precisi
     checkpoint and outputs as the fused step kernel, stochastic rounding included, with the cursor
     copied early (the default) or loaded by each kernel, and with the refresh launch one program
     per tile (the default) or persistent (a few programs loop over the refreshing slots' tiles, or
-    one program per tile of ceil(b T / L) slots);
+    one program per tile of ceil(b T / L) slots), or in two tiers (one program per tile of the
+    first refreshing slot, then a persistent launch for the second: launch.refresh_launches);
     the fused one must differ once a refresh is skipped, so the comparison can fail."""
     from replayssm._triton import launch
 
@@ -171,7 +175,8 @@ def test_split_refresh_launch_matches_the_fused_kernel_bit_for_bit(arch, precisi
     for tuning in (dict(split_refresh=False), dict(split_refresh=True), dict(split_refresh=True, early_cursor=False),
                    dict(split_refresh=False, early_cursor=False),
                    dict(split_refresh=True, persistent_refresh=True),
-                   dict(split_refresh=True, persistent_refresh=True, refresh_programs=0)):
+                   dict(split_refresh=True, persistent_refresh=True, refresh_programs=0),
+                   dict(split_refresh=True, two_tier_refresh=True)):
         cache = layer.cache(3, window=4, max_draft=2, precision=precision)
         cache.load_state(slots, state)
         launch.TUNING.update(tuning)
@@ -203,12 +208,12 @@ def test_split_refresh_launch_matches_the_fused_kernel_bit_for_bit(arch, precisi
 
 
 @pytest.mark.parametrize("arch", ["mamba2", "gdn"])
-@pytest.mark.parametrize("persistent", [True, False])
-def test_split_refresh_at_its_own_launch_shape_refreshes_every_row(arch, persistent):
+@pytest.mark.parametrize("launches", ["one", "persistent", "two_tier"])
+def test_split_refresh_at_its_own_launch_shape_refreshes_every_row(arch, launches):
     """The split refresh launch may tile rows differently from the step kernel
     (launch.REFRESH_SHAPES, TUNING["refresh_rows"]): a refresh at 16 rows per program after
-    steps at 32 gives the fused kernel's bits, persistent or one program per tile; a grid or a
-    tile count taken from the step's tiling would leave half the rows unrefreshed."""
+    steps at 32 gives the fused kernel's bits, one program per tile, persistent, or in two tiers;
+    a grid or a tile count taken from the step's tiling would leave half the rows unrefreshed."""
     from replayssm._triton import launch
 
     geometry = {"mamba2": dict(nheads=2, headdim=32, dstate=32, ngroups=1),
@@ -218,7 +223,8 @@ def test_split_refresh_at_its_own_launch_shape_refreshes_every_row(arch, persist
     slots, state, toks = _two_slots(layer, 17, steps=5)  # window 4: the fifth step refreshes
     snaps = []
     for tuning in (dict(split_refresh=False),
-                   dict(split_refresh=True, refresh_rows=16, refresh_warps=1, persistent_refresh=persistent)):
+                   dict(split_refresh=True, refresh_rows=16, refresh_warps=1,
+                        persistent_refresh=launches == "persistent", two_tier_refresh=launches == "two_tier")):
         cache = base.cache(2, window=4, max_draft=1)
         cache.load_state(slots, state)
         launch.TUNING.update(tuning, block_rows=32)

@@ -19,6 +19,7 @@ drains, and waits for it before its first memory access (``after_previous_launch
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -200,7 +201,7 @@ def check_geometry(cache):
 #: "refresh_dot": bool, "split_refresh": bool, "early_cursor": bool, "output_dot": bool,
 #: "refresh_rows": int, "refresh_warps": int, "persistent_refresh": bool, "refresh_columns": int,
 #: "pdl": bool, "fp_fusion": bool, "pin_vector_width": bool, "step_pin": int, "loads": int,
-#: "refresh_programs": int, "stream": int};
+#: "refresh_programs": int, "stream": int, "two_tier_refresh": bool};
 #: ``parse_shape`` reads them from a label. Each default is the faster one measured
 #: (BENCHMARKS.md) among those that keep the anchor's bits: ``early_cursor`` on (``cursor_args``),
 #: ``output_dot`` by draft length (``OUTPUT_DOT_MIN_DRAFT``), ``refresh_dot`` off for GDN
@@ -264,7 +265,8 @@ def parse_shape(text: str) -> dict:
     """``TUNING`` overrides from a benchmark's shape label: "32x4" = 32 rows per program, 4 warps;
     suffix ``d`` = refresh fold on tensor cores (else the token loop), ``s`` = split refresh (else
     fused), ``e`` = early cursor, ``o`` = outputs' read-copy products on tensor cores, ``p`` =
-    persistent refresh launch, ``l`` = programmatic dependent launch (``programmatic``), ``n`` = no
+    persistent refresh launch, ``t`` = two-tier refresh launches (``refresh_launches``), ``l`` =
+    programmatic dependent launch (``programmatic``), ``n`` = no
     contraction of a * b + c into fma by the compiler (``enable_fp_fusion=False``), ``u`` = GDN
     refresh unpinned (``pin_vector_width``); then "k" and a number: the step streams its read copy with that many
     chunks in flight (``stream_stages``; "k" alone: 2); then "v" and a number: the step's read-copy load
@@ -280,7 +282,7 @@ def parse_shape(text: str) -> dict:
     text, f, loads = text.partition("f")
     text, _, step_pin = text.partition("v")
     text, k, stages = text.partition("k")
-    base = text.rstrip("dseoplnu")
+    base = text.rstrip("dseoplnut")
     rows, warps = map(int, base.split("x"))
     flags = text[len(base):]
     out = dict(block_rows=rows, num_warps=warps, refresh_dot="d" in flags, split_refresh="s" in flags,
@@ -290,6 +292,8 @@ def parse_shape(text: str) -> dict:
         out["fp_fusion"] = False
     if "u" in flags:
         out["pin_vector_width"] = False
+    if "t" in flags:
+        out["two_tier_refresh"] = True
     if step_pin:  # "32x1dsev16": the step kernel's read-copy tile loads >= 16 elements per thread
         out["step_pin"] = int(step_pin)
     if k:  # "64x4seok3": the read copy streamed through tensor-core products, 3 chunks in flight
@@ -494,7 +498,11 @@ def refresh_grid(device, grid: tuple, T: int = 1, L: int = 16) -> tuple[tuple, b
     but every slot refreshing 875.9 -> 1025.5."""
     if not TUNING.get("persistent_refresh", False):
         return grid, False
-    tiles = grid[0] * grid[1] * grid[2]
+    return _persistent_grid(device, grid, T, L), True
+
+
+def _persistent_grid(device, grid: tuple, T: int, L: int) -> tuple:
+    """The grid of a persistent refresh launch (``refresh_grid``'s program counts)."""
     per_sm = TUNING.get("refresh_programs", REFRESH_PROGRAMS_PER_SM)
     if per_sm == 0:
         programs = grid[0] * grid[1] * -(-grid[2] * T // L)
@@ -502,7 +510,30 @@ def refresh_grid(device, grid: tuple, T: int = 1, L: int = 16) -> tuple[tuple, b
         programs = torch.cuda.get_device_properties(device).multi_processor_count * per_sm
     else:
         programs = 3
-    return (max(1, min(programs, tiles)),), True
+    return (max(1, min(programs, grid[0] * grid[1] * grid[2])),)
+
+
+#: The first launch of a two-tier refresh (``refresh_launches``) serves this many times the
+#: share of a batch at staggered window positions that refreshes in one step, b T / L.
+TWO_TIER_SLACK = 1.25
+
+
+def refresh_launches(device, grid: tuple, T: int = 1, L: int = 16) -> list[tuple[tuple, dict]]:
+    """The launches of a split refresh, each (grid, the refresh kernel's PERSISTENT, COMPACT and
+    FIRST), given the one-program-per-tile grid (row blocks, heads, batch rows) of a step of T
+    tokens in windows of L. Two-tier (``TUNING["two_tier_refresh"]``): a COMPACT launch with one
+    program per tile of the first FIRST = ceil(TWO_TIER_SLACK b T / L) refreshing slots, found on
+    the device (``window.refresh_plan``), so that in staggered windows no program waits on a slot
+    that does not refresh; then a persistent launch for the refreshing slots after those (in
+    aligned windows, when every slot refreshes at once). Each tile is folded by the same code as
+    in a one-program-per-tile launch, so the bits are the same. Otherwise one launch
+    (``refresh_grid``)."""
+    first = min(grid[2], math.ceil(TWO_TIER_SLACK * grid[2] * T / L))
+    if TUNING.get("two_tier_refresh", False) and first < grid[2]:
+        return [((grid[0], grid[1], first), dict(PERSISTENT=False, COMPACT=True, FIRST=first)),
+                (_persistent_grid(device, grid, T, L), dict(PERSISTENT=True, COMPACT=False, FIRST=first))]
+    one, persistent = refresh_grid(device, grid, T, L)
+    return [(one, dict(PERSISTENT=persistent, COMPACT=False, FIRST=0))]
 
 
 #: Smallest batch that gets the refresh in a launch of its own, by architecture. Smaller batches

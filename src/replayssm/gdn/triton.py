@@ -199,15 +199,27 @@ def _gdn_refresh_kernel(
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
         BV: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr,
         R_SR: tl.constexpr, SHARED: tl.constexpr, EARLY_CURSOR: tl.constexpr, REFRESH_DOT: tl.constexpr,
-        PERSISTENT: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr, PIN: tl.constexpr = False):
-    """The refresh alone (the step kernel then runs with FUSED_REFRESH=False). PERSISTENT: a
-    fixed number of programs loop over the row blocks of the refreshing slots only
-    (``launch.refresh_grid``); otherwise one program per (row block, head, batch row), and those
-    of slots that do not refresh exit after two loads."""
+        PERSISTENT: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr, PIN: tl.constexpr = False,
+        COMPACT: tl.constexpr = False, FIRST=0):
+    """The refresh alone (the step kernel then runs with FUSED_REFRESH=False), in one of the
+    launches of ``launch.refresh_launches``. PERSISTENT: a fixed number of programs loop over the
+    row blocks of the refreshing slots only, from the FIRST-th refreshing slot on. COMPACT: one
+    program per (row block, head) of the first FIRST refreshing slots, in the order of the batch.
+    Otherwise one program per (row block, head, batch row), and those of slots that do not
+    refresh exit after two loads."""
     after_previous_launch(PDL)
-    if PERSISTENT:
+    if COMPACT:
         need, ordinal, count = refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP, T, L, EARLY_CURSOR)
-        w = tl.program_id(0)
+        if tl.program_id(2) < count:
+            w = (tl.program_id(2) * HV + tl.program_id(1)) * (DV // BV) + tl.program_id(0)
+            pid_v, head, pid_b, row, h = refresh_item(need, ordinal, w, slots_ptr, committed_ptr, SCRATCH, DV // BV,
+                                                      HV)
+            _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr, av_ptr, as_ptr, ag_ptr,
+                              rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, 0.0, HV, HK, L, LP, DV, DK, BV,
+                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, False, PIN)
+    elif PERSISTENT:
+        need, ordinal, count = refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP, T, L, EARLY_CURSOR)
+        w = tl.program_id(0) + FIRST * HV * (DV // BV)
         while w < count * HV * (DV // BV):  # a while loop: the interpreter's range needs host ints
             pid_v, head, pid_b, row, h = refresh_item(need, ordinal, w, slots_ptr, committed_ptr, SCRATCH, DV // BV,
                                                       HV)
@@ -396,13 +408,12 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     grid = (V // bv, HV, b)
     if split:
         rbv, rwarps = launch.refresh_shape(cache, "gdn", bv, warps, T)
-        rgrid, persistent = launch.refresh_grid(v.device, (V // rbv, HV, b), T, cache.window)
-        launch.run(_gdn_refresh_kernel, rgrid, slots, cache.committed, cursors, cache.tokens,
-                   cache.seeds, gram, *anchor, *read, buf["k"], buf["v"], buf["g"], buf["beta"], cache.scratch_row, HV,
-                   HK, b, T=T, L=cache.window, LP=LP, DV=V, DK=cache.head_k_dim, BV=rbv, KC=kc, EARLY_CURSOR=early,
-                   REFRESH_DOT=refresh_dot, PERSISTENT=persistent, BP=triton.next_power_of_2(b), num_warps=rwarps,
-                   PIN=launch.pin_vector_width(),
-                   **consts)
+        for rgrid, tier in launch.refresh_launches(v.device, (V // rbv, HV, b), T, cache.window):
+            launch.run(_gdn_refresh_kernel, rgrid, slots, cache.committed, cursors, cache.tokens,
+                       cache.seeds, gram, *anchor, *read, buf["k"], buf["v"], buf["g"], buf["beta"], cache.scratch_row,
+                       HV, HK, b, T=T, L=cache.window, LP=LP, DV=V, DK=cache.head_k_dim, BV=rbv, KC=kc,
+                       EARLY_CURSOR=early, REFRESH_DOT=refresh_dot, BP=triton.next_power_of_2(b), num_warps=rwarps,
+                       PIN=launch.pin_vector_width(), **tier, **consts)
     launch.run(
         _gdn_step_kernel, grid,
         slots, cache.committed, cursors, cache.tokens, cache.seeds, gram, *anchor, *read,

@@ -136,13 +136,21 @@ def _mamba2_refresh_kernel(
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, KC: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, REFRESH_DOT: tl.constexpr, EARLY_CURSOR: tl.constexpr,
-        PERSISTENT: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr):
-    """The refresh alone (the step kernel then runs with FUSED_REFRESH=False); PERSISTENT as in
-    ``_gdn_refresh_kernel``."""
+        PERSISTENT: tl.constexpr, BP: tl.constexpr, PDL: tl.constexpr, COMPACT: tl.constexpr = False, FIRST=0):
+    """The refresh alone (the step kernel then runs with FUSED_REFRESH=False); PERSISTENT,
+    COMPACT and FIRST as in ``_gdn_refresh_kernel``."""
     after_previous_launch(PDL)
-    if PERSISTENT:
+    if COMPACT:
         need, ordinal, count = refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP, T, L, EARLY_CURSOR)
-        w = tl.program_id(0)
+        if tl.program_id(2) < count:
+            w = (tl.program_id(2) * H + tl.program_id(1)) * (DV // BV) + tl.program_id(0)
+            pid_v, head, _, row, h = refresh_item(need, ordinal, w, slots_ptr, committed_ptr, SCRATCH, DV // BV, H)
+            _mamba2_refresh_rows(pid_v, head, row, h, seeds_ptr, tokens_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr,
+                                 rs_ptr, rg_ptr, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, H, G, L, LP, DV, DK, BV, KC,
+                                 A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT)
+    elif PERSISTENT:
+        need, ordinal, count = refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP, T, L, EARLY_CURSOR)
+        w = tl.program_id(0) + FIRST * H * (DV // BV)
         while w < count * H * (DV // BV):  # a while loop: the interpreter's range needs host ints
             pid_v, head, _, row, h = refresh_item(need, ordinal, w, slots_ptr, committed_ptr, SCRATCH, DV // BV, H)
             _mamba2_refresh_rows(pid_v, head, row, h, seeds_ptr, tokens_ptr, av_ptr,
@@ -332,13 +340,12 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     grid = (P // bv, H, b)
     if split:
         rbv, rwarps = launch.refresh_shape(cache, "mamba2", bv, warps, T)
-        rgrid, persistent = launch.refresh_grid(x.device, (P // rbv, H, b), T, cache.window)
-        launch.run(_mamba2_refresh_kernel, rgrid, slots, cache.committed, cursors, cache.tokens,
-                   cache.seeds, *anchor, *read, buf["x"], buf["dt"], buf["log_alpha"], buf["B"], cache.scratch_row,
-                   H, cache.ngroups, b,
-                   T=T, L=cache.window, LP=LP, DV=P, DK=cache.dstate, BV=rbv, KC=kc, REFRESH_DOT=refresh_dot,
-                   EARLY_CURSOR=early, PERSISTENT=persistent, BP=triton.next_power_of_2(b), num_warps=rwarps,
-                   **consts)
+        for rgrid, tier in launch.refresh_launches(x.device, (P // rbv, H, b), T, cache.window):
+            launch.run(_mamba2_refresh_kernel, rgrid, slots, cache.committed, cursors, cache.tokens,
+                       cache.seeds, *anchor, *read, buf["x"], buf["dt"], buf["log_alpha"], buf["B"], cache.scratch_row,
+                       H, cache.ngroups, b,
+                       T=T, L=cache.window, LP=LP, DV=P, DK=cache.dstate, BV=rbv, KC=kc, REFRESH_DOT=refresh_dot,
+                       EARLY_CURSOR=early, BP=triton.next_power_of_2(b), num_warps=rwarps, **tier, **consts)
     launch.run(
         _mamba2_step_kernel, grid,
         slots, cache.committed, cursors, cache.tokens, cache.seeds, *anchor, *read,
