@@ -205,7 +205,8 @@ def check_geometry(cache):
 #: ``parse_shape`` reads them from a label. Each default is the faster one measured
 #: (BENCHMARKS.md) among those that keep the anchor's bits: ``early_cursor`` on (``cursor_args``),
 #: ``output_dot`` by draft length (``OUTPUT_DOT_MIN_DRAFT``), ``refresh_dot`` off for GDN
-#: (``SHAPES``), ``persistent_refresh`` off (``refresh_grid``).
+#: (``SHAPES``), ``persistent_refresh`` off (``refresh_grid``), ``two_tier_refresh`` off
+#: (``refresh_launches``).
 TUNING: dict = {}
 
 #: (rows of a head per program, warps per program, refresh fold on tensor cores, elements per
@@ -526,8 +527,14 @@ def refresh_launches(device, grid: tuple, T: int = 1, L: int = 16) -> list[tuple
     the device (``window.refresh_plan``), so that in staggered windows no program waits on a slot
     that does not refresh; then a persistent launch for the refreshing slots after those (in
     aligned windows, when every slot refreshes at once). Each tile is folded by the same code as
-    in a one-program-per-tile launch, so the bits are the same. Otherwise one launch
-    (``refresh_grid``)."""
+    in a one-program-per-tile launch, so the bits are the same (H200, every preset). Otherwise one
+    launch (``refresh_grid``). Off by default: measured on an H200 at batch 256 (twelfth session,
+    us per step, one launch -> two tiers), staggered decode is faster (Mamba-2 s32_rs 347.9 ->
+    336.7, tp16_hi32 233.5 -> 221.7, tp8_hi32 219.7 -> 204.3; GDN s32_rs 407.5 -> 399.0, tp8_hi32
+    335.6 -> 305.1) but GDN tp16_hi32 is slower (352.5 -> 369.3: its first tier takes 128
+    registers, not 96), T = 4 gains nothing (593.5 -> 590.6, 894.9 -> 909.0), and the step in
+    which every slot refreshes is much slower (876.7 -> 1024.1, 1504.1 -> 2010.9). The persistent tier
+    runs REFRESH_PROGRAMS_PER_SM programs per multiprocessor whatever the kernel's occupancy."""
     first = min(grid[2], math.ceil(TWO_TIER_SLACK * grid[2] * T / L))
     if TUNING.get("two_tier_refresh", False) and first < grid[2]:
         return [((grid[0], grid[1], first), dict(PERSISTENT=False, COMPACT=True, FIRST=first)),
