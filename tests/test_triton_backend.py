@@ -107,7 +107,7 @@ def test_triton_s32_matches_float64_reference(arch, variant):
             setattr(tr, name, functools.partial(_with_next_order, getattr(tr, name), orders))
     elif variant == "stream":  # the read copy streamed through tensor-core products (launch.stream_stages)
         launch.TUNING.update(output_dot=True, stream=2, split_refresh=True)
-    elif variant == "two_tier":  # staggered slots: some steps refresh more slots than the first tier holds
+    elif variant == "two_tier":  # the first tier holds one slot here; slots 0 and 1 start aligned
         launch.TUNING.update(split_refresh=True, two_tier_refresh=True)
     elif variant == "all_experiments":  # as the next sweep will combine them
         launch.TUNING.update(early_cursor=True, output_dot=True, refresh_dot=True, split_refresh=True)
