@@ -74,13 +74,30 @@ def refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP: tl.constexpr, T: 
 
 
 @triton.jit
+def _refreshing_row(need, ordinal, r, slots_ptr, committed_ptr, SCRATCH):
+    """(batch row, storage row, committed count h) of the r-th refreshing slot of a plan."""
+    pid_b = tl.sum(tl.where(need & (ordinal == r), tl.arange(0, need.shape[0]), 0), 0)
+    _, row = slot_row(slots_ptr, pid_b, SCRATCH)
+    return pid_b, row, tl.load(committed_ptr + row)
+
+
+@triton.jit
 def refresh_item(need, ordinal, w, slots_ptr, committed_ptr, SCRATCH, NB: tl.constexpr, NH):
     """Work item w of a persistent refresh: (row block, head, batch row, storage row, committed
     count h), the row block varying fastest (neighbouring items stream one slot's contiguous state)."""
-    r = w // (NH * NB)
-    pid_b = tl.sum(tl.where(need & (ordinal == r), tl.arange(0, need.shape[0]), 0), 0)
-    _, row = slot_row(slots_ptr, pid_b, SCRATCH)
-    return w % NB, (w // NB) % NH, pid_b, row, tl.load(committed_ptr + row)
+    pid_b, row, h = _refreshing_row(need, ordinal, w // (NH * NB), slots_ptr, committed_ptr, SCRATCH)
+    return w % NB, (w // NB) % NH, pid_b, row, h
+
+
+@triton.jit
+def compact_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, B, BP: tl.constexpr, T: tl.constexpr,
+                    L: tl.constexpr, EARLY: tl.constexpr):
+    """A compact refresh launch's program (row block, head, r): ``refresh_program``'s tuple for
+    the r-th refreshing slot of the batch (``refresh_plan``); not due past the last one."""
+    need, ordinal, count = refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP, T, L, EARLY)
+    r = tl.program_id(2)
+    pid_b, row, h = _refreshing_row(need, ordinal, r, slots_ptr, committed_ptr, SCRATCH)
+    return tl.program_id(0), tl.program_id(1), pid_b, row, h, r < count
 
 
 @triton.jit

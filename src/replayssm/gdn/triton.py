@@ -30,8 +30,8 @@ import triton.language as tl
 from .._triton import launch
 from .._triton.launch import after_previous_launch
 from .._triton.decay import segment_to, suffix_sums
-from .._triton.window import (cursor_of, early_cursor, refresh_item, refresh_plan, refresh_program, slot_cursor,
-                              slot_row, window_rows, window_scalars)
+from .._triton.window import (compact_program, cursor_of, early_cursor, refresh_item, refresh_plan,
+                              refresh_program, slot_cursor, slot_row, window_rows, window_scalars)
 from .._triton.formats import (anchor_rows, column, pin_vector_width, load_query, load_read, load_tile, matvec,
                                products_on_tensor_cores, streamed_products, write_checkpoint)
 
@@ -208,16 +208,7 @@ def _gdn_refresh_kernel(
     Otherwise one program per (row block, head, batch row), and those of slots that do not
     refresh exit after two loads."""
     after_previous_launch(PDL)
-    if COMPACT:
-        need, ordinal, count = refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP, T, L, EARLY_CURSOR)
-        if tl.program_id(2) < count:
-            w = (tl.program_id(2) * HV + tl.program_id(1)) * (DV // BV) + tl.program_id(0)
-            pid_v, head, pid_b, row, h = refresh_item(need, ordinal, w, slots_ptr, committed_ptr, SCRATCH, DV // BV,
-                                                      HV)
-            _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr, av_ptr, as_ptr, ag_ptr,
-                              rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, 0.0, HV, HK, L, LP, DV, DK, BV,
-                              KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, False, PIN)
-    elif PERSISTENT:
+    if PERSISTENT:
         need, ordinal, count = refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP, T, L, EARLY_CURSOR)
         w = tl.program_id(0) + FIRST * HV * (DV // BV)
         while w < count * HV * (DV // BV):  # a while loop: the interpreter's range needs host ints
@@ -228,8 +219,12 @@ def _gdn_refresh_kernel(
                               KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, False, PIN)
             w += tl.num_programs(0)
     else:
-        pid_v, head, pid_b, row, h, need = refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T, L,
-                                                           EARLY_CURSOR)
+        if COMPACT:
+            pid_v, head, pid_b, row, h, need = compact_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, B, BP,
+                                                               T, L, EARLY_CURSOR)
+        else:
+            pid_v, head, pid_b, row, h, need = refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T, L,
+                                                               EARLY_CURSOR)
         if need:
             _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr, av_ptr, as_ptr, ag_ptr,
                               rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, 0.0, HV, HK, L, LP, DV, DK, BV,

@@ -26,8 +26,8 @@ import triton.language as tl
 from .._triton import launch
 from .._triton.launch import after_previous_launch
 from .._triton.decay import segment_to, suffix_sums
-from .._triton.window import (cursor_of, early_cursor, refresh_item, refresh_plan, refresh_program, slot_cursor,
-                              slot_row, window_rows, window_scalars)
+from .._triton.window import (compact_program, cursor_of, early_cursor, refresh_item, refresh_plan,
+                              refresh_program, slot_cursor, slot_row, window_rows, window_scalars)
 from .._triton.formats import (column, load_query, load_read, load_tile, matvec, pin_vector_width,
                                products_on_tensor_cores, streamed_products, write_checkpoint)
 
@@ -140,15 +140,7 @@ def _mamba2_refresh_kernel(
     """The refresh alone (the step kernel then runs with FUSED_REFRESH=False); PERSISTENT,
     COMPACT and FIRST as in ``_gdn_refresh_kernel``."""
     after_previous_launch(PDL)
-    if COMPACT:
-        need, ordinal, count = refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP, T, L, EARLY_CURSOR)
-        if tl.program_id(2) < count:
-            w = (tl.program_id(2) * H + tl.program_id(1)) * (DV // BV) + tl.program_id(0)
-            pid_v, head, _, row, h = refresh_item(need, ordinal, w, slots_ptr, committed_ptr, SCRATCH, DV // BV, H)
-            _mamba2_refresh_rows(pid_v, head, row, h, seeds_ptr, tokens_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr,
-                                 rs_ptr, rg_ptr, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, H, G, L, LP, DV, DK, BV, KC,
-                                 A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT)
-    elif PERSISTENT:
+    if PERSISTENT:
         need, ordinal, count = refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP, T, L, EARLY_CURSOR)
         w = tl.program_id(0) + FIRST * H * (DV // BV)
         while w < count * H * (DV // BV):  # a while loop: the interpreter's range needs host ints
@@ -158,8 +150,12 @@ def _mamba2_refresh_kernel(
                                  LP, DV, DK, BV, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT)
             w += tl.num_programs(0)
     else:
-        pid_v, head, pid_b, row, h, need = refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T, L,
-                                                           EARLY_CURSOR)
+        if COMPACT:
+            pid_v, head, pid_b, row, h, need = compact_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, B, BP,
+                                                               T, L, EARLY_CURSOR)
+        else:
+            pid_v, head, pid_b, row, h, need = refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T, L,
+                                                               EARLY_CURSOR)
         if need:
             _mamba2_refresh_rows(pid_v, head, row, h, seeds_ptr, tokens_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr,
                                  rs_ptr, rg_ptr, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, H, G, L, LP, DV, DK, BV, KC,
