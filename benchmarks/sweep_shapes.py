@@ -41,6 +41,8 @@ def main():
     ap.add_argument("--check-shapes", default="", metavar="LABELS",
                     help="also run the checks under these launch.parse_shape labels (Mamba-2 labels, then GDN "
                          "labels after ';'), e.g. '32x2dsel;64x4sel'")
+    ap.add_argument("--modes", default="", help="window modes to time at T=1 for every preset, e.g. "
+                    "staggered,refresh (default: staggered, and refresh too for s32_rs)")
     ap.add_argument("--tuning", action="append", default=[], metavar="KEY=INT",
                     help="a launch.TUNING entry on top of every check and shape, e.g. two_tier_refresh=1 (repeatable)")
     args = ap.parse_args()
@@ -78,6 +80,8 @@ def main():
                     launch.TUNING.clear()
                     launch.TUNING.update(tuning, **extra)
                     modes = ["staggered", "refresh"] if T == 1 and preset == "s32_rs" else ["staggered"]
+                    if args.modes and T == 1:
+                        modes = args.modes.split(",")
                     for mode in modes:
                         (us, sp), tr = bench_one(p, preset, mode)
                         print(f"{arch:6s} T={T} {preset:12s} {mode:9s} {shape:5s} {us:8.1f} us ±{sp:4.1f}  "
