@@ -417,20 +417,31 @@ def refresh_shape(cache, arch: str, rows: int, warps: int, T: int = 1) -> tuple[
     return _tile_rows(cache, TUNING.get("refresh_rows", rows)), TUNING.get("refresh_warps", warps)
 
 
-#: Columns of the state a Mamba-2 refresh folds and encodes at a time (``refresh_columns``).
+#: Columns of the state a refresh folds and encodes at a time (``refresh_columns``).
 REFRESH_COLUMNS = 32
 
+#: ``refresh_columns`` by (architecture, anchor format) where it is not REFRESH_COLUMNS. A Mamba-2
+#: refresh from a 2-byte anchor in 32-column passes ran at 17% of DRAM bandwidth (ncu, every slot
+#: refreshing, 33.7 cycles per issued instruction against 16.3 from an fp32 anchor); in 64-column
+#: passes it takes 224 registers, no spills. H200, batch 256, us per step, 32 -> 64 (128, whole
+#: rows, spills 64 registers) columns, thirteenth session: fp16_rs staggered 276.2 -> 225.4
+#: (225.6), every slot refreshing 1585.1 -> 684.3 (631.3); s32_rs is slower at 64 (344.1 ->
+#: 353.6). Keyed by the anchor's format, so presets that share an anchor format fold it alike.
+REFRESH_COLUMNS_BY_ANCHOR = {("mamba2", "fp16"): 64, ("mamba2", "bf16"): 64}
 
-def refresh_columns(cache) -> int:
-    """Columns per pass of a Mamba-2 refresh (``mamba2.triton._mamba2_refresh_rows``): a program
-    loads, folds and encodes a [rows, columns] slice at a time, so the state slice, the
-    tensor-core product's operands and its accumulator fit in registers together (whole rows at
-    once took 249-255 registers and spilled, ptxas). A multiple of 32 (one fp8 scale block), or
-    the whole row with NVFP4, whose global scale spans the row block. ``TUNING["refresh_columns"]``
-    overrides it. The fused and split refreshes use the same value, so the same bits."""
+
+def refresh_columns(cache, arch: str) -> int:
+    """Columns per pass of a refresh (``mamba2.triton._mamba2_refresh_rows``, the GDN refresh's
+    encode): a program loads, folds and encodes a [rows, columns] slice at a time, so the state
+    slice, the tensor-core product's operands and its accumulator fit in registers together
+    (whole fp32 rows at once took 249-255 registers and spilled, ptxas). A multiple of 32 (one
+    fp8 scale block), or the whole row with NVFP4, whose global scale spans the row block.
+    ``REFRESH_COLUMNS_BY_ANCHOR`` or REFRESH_COLUMNS; ``TUNING["refresh_columns"]`` overrides
+    it. The fused and split refreshes use the same value, so the same bits."""
     if _uses_nvfp4(cache):
         return cache.dk
-    return min(cache.dk, TUNING.get("refresh_columns", REFRESH_COLUMNS))
+    default = REFRESH_COLUMNS_BY_ANCHOR.get((arch, cache.precision.anchor.name), REFRESH_COLUMNS)
+    return min(cache.dk, TUNING.get("refresh_columns", default))
 
 
 #: Smallest draft length T whose step computes the read-copy products of all its queries as one

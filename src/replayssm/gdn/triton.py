@@ -398,7 +398,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], k, q, kn, qn, scores, gram,
                float(scale), cache.scratch_row, HK, T=T, L=cache.window, LP=LP, DK=cache.head_k_dim, NORM=normalize,
                EARLY_CURSOR=early, GRAM=refresh_dot)
-    kc = launch.refresh_columns(cache)
+    kc = launch.refresh_columns(cache, "gdn")
     q, k = qn, kn
     grid = (V // bv, HV, b)
     if split:

@@ -321,7 +321,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     y = torch.empty(b, T, H, P, dtype=torch.float32, device=x.device)
     bv, warps, refresh_dot, pin, loads = launch.launch_shape(cache, "mamba2", T)
     split = launch.split_refresh("mamba2", b, T)
-    kc = launch.refresh_columns(cache)
+    kc = launch.refresh_columns(cache, "mamba2")
     buf = cache.buffer
     LP = max(16, triton.next_power_of_2(cache.window))
     scores = torch.empty(b, cache.ngroups, T, LP, dtype=torch.float32, device=x.device)
