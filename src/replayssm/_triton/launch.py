@@ -426,7 +426,9 @@ REFRESH_COLUMNS = 32
 #: passes it takes 224 registers, no spills. H200, batch 256, us per step, 32 -> 64 (128, whole
 #: rows, spills 64 registers) columns, thirteenth session: fp16_rs staggered 276.2 -> 225.4
 #: (225.6), every slot refreshing 1585.1 -> 684.3 (631.3); s32_rs is slower at 64 (344.1 ->
-#: 353.6). Keyed by the anchor's format, so presets that share an anchor format fold it alike.
+#: 353.6), so are tp16_hi32 (232.8 -> 241.2) and tp8_hi32 (220.0 -> 258.9), and GDN fp16_rs and
+#: bf16_rs gain nothing (348.0 -> 347.7, 336.2 -> 335.1). Keyed by the anchor's format, so
+#: presets that share an anchor format fold it alike.
 REFRESH_COLUMNS_BY_ANCHOR = {("mamba2", "fp16"): 64, ("mamba2", "bf16"): 64}
 
 
