@@ -264,23 +264,29 @@ def plots(report, out) -> None:
     views = [("batch", "speedup_vs_batch.png", lambda r: r["draft"] == 0 and r["window"] == 16),
              ("window", "speedup_vs_window.png", lambda r: r["draft"] == 0 and r["batch"] == 256),
              ("draft", "speedup_vs_draft.png", lambda r: r["draft"] > 0 and r["batch"] == 256)]
+    # one colour per preset and one line style per geometry, so that curves stay apart past ten
+    presets = sorted({r["kernel"] for r in rows})
+    colour = {k: plt.cm.tab10(i % 10) for i, k in enumerate(presets)}
     for x, name, keep in views:
         series = {}
         for r in filter(keep, rows):
-            label = f"{_geometry_name(r)} {r['kernel']}" + (f" accept {r.get('accept') or 'all'}" if x == "draft" else "")
-            series.setdefault(label, {})[r[x]] = r["speedup_vs_ours"]
+            key = (_geometry_name(r), r["kernel"], (r.get("accept") or "all") if x == "draft" else None)
+            series.setdefault(key, {})[r[x]] = r["speedup_vs_ours"]
         series = {k: sorted(v.items()) for k, v in series.items() if len(v) > 1}
         if not series:  # one value of x in this sweep: a curve would be a dot
             continue
-        fig, ax = plt.subplots(figsize=(5.5, 3.6))
-        for label, pts in sorted(series.items()):
-            ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", label=label)
+        style = {g: ("-", "--", "-.", (0, (1, 1)))[i % 4] for i, g in enumerate(sorted({k[0] for k in series}))}
+        fig, ax = plt.subplots(figsize=(7.5, 4.2))
+        for (geometry, kernel, accept), pts in sorted(series.items()):
+            label = f"{geometry} {kernel}" + (f" accept {accept}" if accept else "")
+            ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", ms=3, color=colour[kernel],
+                    ls=style[geometry], alpha=1.0 if accept in (None, "all") else 0.5, label=label)
         ax.axhline(1.0, color="gray", lw=0.8)
         if x == "batch":
             ax.set_xscale("log", base=2)
         ax.set_xlabel(x + (" (window 16)" if x == "batch" else " (batch 256)"))
         ax.set_ylabel("speed-up vs conventional (ours)")
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
         fig.tight_layout()
         fig.savefig(os.path.join(out, name), dpi=100)
         plt.close(fig)
