@@ -17,6 +17,7 @@ import traceback
 import torch
 
 from replayssm.bench import suite
+from replayssm.precision import PRESETS as ALL_PRESETS
 from replayssm.bench.measure import bench_one, correctness, graph_check
 from replayssm.bench.suite import Problem
 
@@ -43,7 +44,7 @@ def main():
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--sweep-presets", default="s32_rs,tp16_hi32,tp8_hi32,tp4_hi16_sr",
                     help="presets timed at batches other than 256")
-    ap.add_argument("--check-presets", default="s32_rs,tp16_hi32,tp8_hi32,tp4_hi32,tp4_hi16_sr,f4_sr_rs")
+    ap.add_argument("--check-presets", default=",".join(ALL_PRESETS))
     args = ap.parse_args()
     parts = args.parts.split(",")
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
