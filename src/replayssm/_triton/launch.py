@@ -545,7 +545,7 @@ def refresh_launches(device, grid: tuple, T: int = 1, L: int = 16) -> list[tuple
     us per step, one launch -> two tiers), staggered decode is faster (Mamba-2 s32_rs 347.9 ->
     336.7, tp16_hi32 233.5 -> 221.7, tp8_hi32 219.7 -> 204.3; GDN s32_rs 407.5 -> 399.0, tp8_hi32
     335.6 -> 305.1) but GDN tp16_hi32 is slower (352.5 -> 369.3: its first tier took 128
-    registers, not 96; 106 since its programs share ``window.compact_program``, untimed), T = 4 gains nothing (593.5 -> 590.6, 894.9 -> 909.0), and the step in
+    registers, not 96; 106 since its programs share ``window.refresh_program``, untimed), T = 4 gains nothing (593.5 -> 590.6, 894.9 -> 909.0), and the step in
     which every slot refreshes is much slower (876.7 -> 1024.1, 1504.1 -> 2010.9). The persistent tier
     runs REFRESH_PROGRAMS_PER_SM programs per multiprocessor whatever the kernel's occupancy."""
     first = min(grid[2], math.ceil(TWO_TIER_SLACK * grid[2] * T / L))

@@ -44,18 +44,6 @@ def cursor_of(committed_ptr, h_early, valid, row, T: tl.constexpr, L: tl.constex
 
 
 @triton.jit
-def refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T: tl.constexpr, L: tl.constexpr,
-                    EARLY: tl.constexpr):
-    """A refresh kernel's program (row block, head, batch row): (pid_v, head, pid_b, storage row,
-    committed count h, refresh due). Programs whose slot does not refresh exit on ``need``."""
-    pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    h_early = early_cursor(cursors_ptr, pid_b, EARLY)
-    valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
-    h, need = cursor_of(committed_ptr, h_early, valid, row, T, L, EARLY)
-    return pid_v, head, pid_b, row, h, need
-
-
-@triton.jit
 def refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP: tl.constexpr, T: tl.constexpr, L: tl.constexpr,
                  EARLY: tl.constexpr):
     """Which of the B batch rows refresh this step, for a persistent refresh launch: (need [BP],
@@ -90,14 +78,23 @@ def refresh_item(need, ordinal, w, slots_ptr, committed_ptr, SCRATCH, NB: tl.con
 
 
 @triton.jit
-def compact_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, B, BP: tl.constexpr, T: tl.constexpr,
-                    L: tl.constexpr, EARLY: tl.constexpr):
-    """A compact refresh launch's program (row block, head, r): ``refresh_program``'s tuple for
-    the r-th refreshing slot of the batch (``refresh_plan``); not due past the last one."""
-    need, ordinal, count = refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP, T, L, EARLY)
-    r = tl.program_id(2)
-    pid_b, row, h = _refreshing_row(need, ordinal, r, slots_ptr, committed_ptr, SCRATCH)
-    return tl.program_id(0), tl.program_id(1), pid_b, row, h, r < count
+def refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, B, BP: tl.constexpr, T: tl.constexpr,
+                    L: tl.constexpr, EARLY: tl.constexpr, COMPACT: tl.constexpr):
+    """A refresh kernel's program: (pid_v, head, pid_b, storage row, committed count h, refresh
+    due). One program per (row block, head, batch row), whose slot may not be due; or, in a
+    COMPACT launch, per (row block, head, r), serving the r-th refreshing slot of the batch
+    (``refresh_plan``) and not due past the last one. Programs exit on ``need``."""
+    if COMPACT:
+        need, ordinal, count = refresh_plan(slots_ptr, committed_ptr, cursors_ptr, B, BP, T, L, EARLY)
+        r = tl.program_id(2)
+        pid_b, row, h = _refreshing_row(need, ordinal, r, slots_ptr, committed_ptr, SCRATCH)
+        return tl.program_id(0), tl.program_id(1), pid_b, row, h, r < count
+    else:
+        pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        h_early = early_cursor(cursors_ptr, pid_b, EARLY)
+        valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
+        h, need = cursor_of(committed_ptr, h_early, valid, row, T, L, EARLY)
+        return pid_v, head, pid_b, row, h, need
 
 
 @triton.jit

@@ -30,7 +30,7 @@ import triton.language as tl
 from .._triton import launch
 from .._triton.launch import after_previous_launch
 from .._triton.decay import segment_to, suffix_sums
-from .._triton.window import (compact_program, cursor_of, early_cursor, refresh_item, refresh_plan,
+from .._triton.window import (cursor_of, early_cursor, refresh_item, refresh_plan,
                               refresh_program, slot_cursor, slot_row, window_rows, window_scalars)
 from .._triton.formats import (anchor_rows, column, pin_vector_width, load_query, load_read, load_tile, matvec,
                                products_on_tensor_cores, streamed_products, write_checkpoint)
@@ -219,12 +219,8 @@ def _gdn_refresh_kernel(
                               KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT, False, PIN)
             w += tl.num_programs(0)
     else:
-        if COMPACT:
-            pid_v, head, pid_b, row, h, need = compact_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, B, BP,
-                                                               T, L, EARLY_CURSOR)
-        else:
-            pid_v, head, pid_b, row, h, need = refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T, L,
-                                                               EARLY_CURSOR)
+        pid_v, head, pid_b, row, h, need = refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, B, BP, T,
+                                                           L, EARLY_CURSOR, COMPACT)
         if need:
             _gdn_refresh_rows(pid_v, head, pid_b, row, h, seeds_ptr, tokens_ptr, gram_ptr, av_ptr, as_ptr, ag_ptr,
                               rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, 0.0, HV, HK, L, LP, DV, DK, BV,

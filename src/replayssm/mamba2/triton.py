@@ -26,7 +26,7 @@ import triton.language as tl
 from .._triton import launch
 from .._triton.launch import after_previous_launch
 from .._triton.decay import segment_to, suffix_sums
-from .._triton.window import (compact_program, cursor_of, early_cursor, refresh_item, refresh_plan,
+from .._triton.window import (cursor_of, early_cursor, refresh_item, refresh_plan,
                               refresh_program, slot_cursor, slot_row, window_rows, window_scalars)
 from .._triton.formats import (column, load_query, load_read, load_tile, matvec, pin_vector_width,
                                products_on_tensor_cores, streamed_products, write_checkpoint)
@@ -150,12 +150,8 @@ def _mamba2_refresh_kernel(
                                  LP, DV, DK, BV, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, REFRESH_DOT)
             w += tl.num_programs(0)
     else:
-        if COMPACT:
-            pid_v, head, pid_b, row, h, need = compact_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, B, BP,
-                                                               T, L, EARLY_CURSOR)
-        else:
-            pid_v, head, pid_b, row, h, need = refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, T, L,
-                                                               EARLY_CURSOR)
+        pid_v, head, pid_b, row, h, need = refresh_program(slots_ptr, committed_ptr, cursors_ptr, SCRATCH, B, BP, T,
+                                                           L, EARLY_CURSOR, COMPACT)
         if need:
             _mamba2_refresh_rows(pid_v, head, row, h, seeds_ptr, tokens_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr,
                                  rs_ptr, rg_ptr, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, H, G, L, LP, DV, DK, BV, KC,
