@@ -4,12 +4,10 @@ Checks the kernels against float64 first. Prints one line per configuration and 
 $OUT/sweep.json. Used to pick the defaults in ``_triton/launch.py`` and ``bench/conventional.py``.
 
     PYTHONPATH=src python3 benchmarks/sweep_shapes.py [--presets s32_rs,tp8_hi32] [--skip-check] \
-        [--check-shapes "32x2dsel;64x4sel"] [--shapes 16x2d,16x2ds,32x4ds] [--gdn-shapes 16x2,16x2s] [--drafts 1,4]
-    # shapes as launch.parse_shape reads them: rows x warps, d = refresh fold on tensor cores, s = split,
-    # e = early cursor, o = outputs' products on tensor cores, p = persistent refresh launch,
-    # l = programmatic dependent launch, "v16" = the read-copy pin, "f1" = the load order,
-    # "/16x2" = the refresh launch's rows x warps (launch.parse_shape has every flag). A label sets
-    # every switch, defaults included; without "v" or "f" the tables' pin and load order apply.
+        [--check-shapes "32x2;64x4"] [--shapes default,32x2] [--gdn-shapes default,64x4] [--drafts 1,4]
+    # shapes as launch.parse_shape reads them: rows x warps, then optionally "v16" (the read-copy
+    # pin), "o" (outputs' products on tensor cores), "k3" (streamed read copy); a label overrides
+    # those fields of the default shape (launch.step_shape), "default" is the table's.
 """
 from __future__ import annotations
 
@@ -17,7 +15,6 @@ import argparse
 import json
 import os
 import time
-
 
 from replayssm._triton import launch
 from replayssm.bench import conventional, suite
@@ -31,8 +28,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default="s32_rs,tp16_hi32,tp8_hi32")
     ap.add_argument("--check-presets", default="s32_rs,tp8_hi32,tp4_hi16_sr,f4_sr_rs")
-    ap.add_argument("--shapes", default="32x2ds,32x4ds", help="Mamba-2 step kernel shapes (launch.parse_shape labels, or default)")
-    ap.add_argument("--gdn-shapes", default="64x4s,64x4ds,32x4ds,16x2ds", help="GDN step kernel shapes")
+    ap.add_argument("--shapes", default="default,32x2", help="Mamba-2 step kernel shapes (launch.parse_shape labels, or default)")
+    ap.add_argument("--gdn-shapes", default="default,32x2", help="GDN step kernel shapes")
     ap.add_argument("--drafts", default="1,4", help="T values to time")
     ap.add_argument("--conv-shapes", default="8x1,16x1")
     ap.add_argument("--batch", type=int, default=256)
@@ -40,11 +37,11 @@ def main():
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--check-shapes", default="", metavar="LABELS",
                     help="also run the checks under these launch.parse_shape labels (Mamba-2 labels, then GDN "
-                         "labels after ';'), e.g. '32x2dsel;64x4sel'")
+                         "labels after ';'), e.g. '32x2;64x4'")
     ap.add_argument("--modes", default="", help="window modes to time at T=1 for every preset, e.g. "
                     "staggered,refresh (default: staggered, and refresh too for s32_rs)")
     ap.add_argument("--tuning", action="append", default=[], metavar="KEY=INT",
-                    help="a launch.TUNING entry on top of every check and shape, e.g. two_tier_refresh=1 (repeatable)")
+                    help="a launch.TUNING entry on top of every check and shape, e.g. pin=0 (repeatable)")
     args = ap.parse_args()
     extra = {key: int(value) for key, _, value in (item.partition("=") for item in args.tuning)}
     out = {"rows": [], "checks": []}
@@ -75,7 +72,7 @@ def main():
             for preset in args.presets.split(","):
                 for shape in (args.shapes if arch == "mamba2" else args.gdn_shapes).split(","):
                     tuning = {} if shape == "default" else launch.parse_shape(shape)
-                    if T > 1 and tuning.get("block_rows", 0) > 64:
+                    if T > 1 and tuning.get("rows", 0) > 64:
                         continue
                     launch.TUNING.clear()
                     launch.TUNING.update(tuning, **extra)

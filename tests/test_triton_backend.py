@@ -2,9 +2,6 @@
 against the float64 recurrence and against the PyTorch backend: decode across refreshes,
 speculative rounds with every accept count, pad slots, slots at different window positions,
 and the two-precision invariants. Geometries are the smallest the kernels tile (dims >= 16)."""
-import functools
-import itertools
-
 import pytest
 import torch
 
@@ -66,63 +63,48 @@ def _schedule(tr, rounds, rng):
         tr.decode([0, 2, -1, 1])
 
 
-def _with_next_order(step, orders, *args):
-    """Run a tracker step with the next of ``orders`` as ``launch.TUNING["loads"]``."""
+#: Geometries whose heads hold two fold sub-tiles (dv = 64): a program of 64 rows folds 32 at a time.
+WIDE = {"mamba2": dict(nheads=2, headdim=64, dstate=32, ngroups=1),
+        "gdn": dict(num_k_heads=1, num_v_heads=2, head_k_dim=32, head_v_dim=64)}
+
+
+@pytest.mark.parametrize("arch, variant", [("mamba2", "default"), ("gdn", "default"),
+                                           ("mamba2", "window8"), ("gdn", "window8"),
+                                           ("mamba2", "rows64"), ("gdn", "rows64"),
+                                           ("gdn", "output_dot"), ("gdn", "stream")])
+def test_triton_s32_matches_float64_reference(arch, variant):
+    """Decode and verify rounds of every draft length and accept count, with pads and staggered
+    slots, across refreshes: the default launch policy at a full 16-entry window (every step of
+    the residual solve runs) and at 8; 64-row programs folding two 32-row sub-tiles; and GDN's
+    read-copy products on tensor cores at every draft length, loaded whole or streamed."""
     from replayssm._triton import launch
 
-    launch.TUNING["loads"] = next(orders)
-    return step(*args)
-
-
-@pytest.mark.parametrize("arch, variant", [("mamba2", "tensor_cores"), ("mamba2", "loop"), ("gdn", "loop"),
-                                           ("gdn", "tensor_cores"), ("gdn", "tensor_cores_split"),
-                                           ("mamba2", "late_cursor"), ("gdn", "late_cursor"),
-                                           ("mamba2", "output_dot"), ("gdn", "output_dot"),
-                                           ("mamba2", "load_order"), ("gdn", "load_order"),
-                                           ("mamba2", "stream"), ("gdn", "stream"),
-                                           ("mamba2", "two_tier"), ("gdn", "two_tier"),
-                                           ("mamba2", "all_experiments"), ("gdn", "all_experiments")])
-def test_triton_s32_matches_float64_reference(arch, variant, monkeypatch):
-    """Both refresh folds (Mamba-2: tensor-core products, the default, or token by token; GDN:
-    token by token, the default, or forward substitution with tensor-core products), with the
-    cursor loaded by the step kernels (the early cursor is the default) and the outputs' products
-    on tensor cores at every T (the default only from launch.OUTPUT_DOT_MIN_DRAFT), with the step
-    programs' loads in the order the defaults do not use (``launch.preload``), fused refresh, with
-    the read copy streamed through the products (``launch.stream_stages``), through decode and
-    verify rounds."""
-    from replayssm._triton import launch
-
-    layer = TritonLayer(arch)
-    # the tensor-core folds at the window the benchmarks use: every substitution step runs
-    window = 16 if variant.startswith("tensor_cores") else 8
+    layer = TritonLayer(arch, **(WIDE[arch] if variant == "rows64" else {}))
+    window = 8 if variant == "window8" else 16
     tr = helpers.Tracker(layer, layer.cache(4, window=window, max_draft=4), seed=3)
-    if variant == "late_cursor":
-        launch.TUNING["early_cursor"] = False
-    elif variant == "output_dot":
-        launch.TUNING[variant] = True
-    elif variant == "load_order":  # the three load orders in turn, step by step, refresh fused
-        launch.TUNING["split_refresh"] = False
-        orders = itertools.cycle(launch.LOAD_ORDERS)
-        for name in ("decode", "verify"):
-            setattr(tr, name, functools.partial(_with_next_order, getattr(tr, name), orders))
-    elif variant == "stream":  # the read copy streamed through tensor-core products (launch.stream_stages)
-        launch.TUNING.update(output_dot=True, stream=2, split_refresh=True)
-    elif variant == "two_tier":  # a first tier of one slot: the step where two slots refresh uses both tiers
-        launch.TUNING.update(split_refresh=True, two_tier_refresh=True)
-        monkeypatch.setattr(launch, "TWO_TIER_SLACK", 0.25)
-    elif variant == "all_experiments":  # as the next sweep will combine them
-        launch.TUNING.update(early_cursor=True, output_dot=True, refresh_dot=True, split_refresh=True)
-    else:
-        launch.TUNING["refresh_dot"] = variant.startswith("tensor_cores")
-        launch.TUNING["split_refresh"] = variant.endswith("split")
+    launch.TUNING.update({"rows64": dict(rows=64), "output_dot": dict(output_dot=True, stream=0),
+                          "stream": dict(output_dot=True, stream=2)}.get(variant, {}))
     try:
-        _schedule(tr, rounds=10, rng=None)
+        _schedule(tr, rounds=10 if variant == "default" else 6, rng=None)
     finally:
         launch.TUNING.clear()
     tr.check_counters([0, 1, 2])
     helpers.record(f"triton {arch} s32_rs max rel err", tr.max_rel)
     assert tr.max_rel <= 2e-5, tr.max_rel
     assert tr.state_error([0, 1, 2]) <= 1e-5
+
+
+def test_gdn_verify_of_four_drafts_at_head_k_dim_16():
+    """A GDN verify of T >= 4 streams its read copy in chunks of at most the head's 16 columns."""
+    layer = TritonLayer("gdn", num_k_heads=2, num_v_heads=2, head_k_dim=16, head_v_dim=16)
+    tr = helpers.Tracker(layer, layer.cache(3, window=8, max_draft=4), seed=8)
+    tr.load([0, 1])
+    for r in range(4):
+        tr.verify([1, 0], 4)
+        tr.accept([r % 5, 4])
+    tr.check_counters([0, 1])
+    assert tr.max_rel <= 2e-5, tr.max_rel
+    assert tr.state_error([0, 1]) <= 1e-5
 
 
 @pytest.mark.parametrize("arch", ["mamba2", "gdn"])
@@ -156,209 +138,35 @@ def test_triton_low_precision_agrees_with_torch_backend(arch, precision):
 
 
 @pytest.mark.parametrize("arch", ["mamba2", "gdn"])
-@pytest.mark.parametrize("precision", ["s32_rs", "tp4_hi16_sr"])
-def test_split_refresh_launch_matches_the_fused_kernel_bit_for_bit(arch, precision):
-    """The refresh in a launch of its own (launch.TUNING["split_refresh"]) computes the same
-    checkpoint and outputs as the fused step kernel, stochastic rounding included, with the cursor
-    copied early (the default) or loaded by each kernel, and with the refresh launch one program
-    per tile (the default) or persistent (a few programs loop over the refreshing slots' tiles, or
-    one program per tile of ceil(b T / L) slots), or in two tiers (one program per tile of the
-    first refreshing slot, then a persistent launch for the second: launch.refresh_launches);
-    the fused one must differ once a refresh is skipped, so the comparison can fail."""
+def test_triton_read_precision_and_tile_leave_anchor_bit_identical(arch):
+    """Changing only the read format of an fp32 anchor (and so the step's tile: NVFP4 runs 4 warps,
+    others 1) or the rows per program (64 rows fold as two 32-row sub-tiles) changes outputs,
+    never the anchor bits: decode and verify rounds across refreshes, two heads of 64 rows."""
     from replayssm._triton import launch
 
-    layer = TritonLayer(arch)
-    g = helpers.generator(11)
-    slots = torch.tensor([1, -1, 0])
-    state = torch.randn(3, *layer.state_shape, generator=g)
-    toks = [layer.tokens(g, 3, 1) for _ in range(7)]
-    runs = []
-    for tuning in (dict(split_refresh=False), dict(split_refresh=True), dict(split_refresh=True, early_cursor=False),
-                   dict(split_refresh=False, early_cursor=False),
-                   dict(split_refresh=True, persistent_refresh=True),
-                   dict(split_refresh=True, persistent_refresh=True, refresh_programs=0),
-                   dict(split_refresh=True, two_tier_refresh=True)):
-        cache = layer.cache(3, window=4, max_draft=2, precision=precision)
-        cache.load_state(slots, state)
-        launch.TUNING.update(tuning)
-        try:
-            runs.append((torch.cat([layer.run(cache, slots, t, False) for t in toks]),
-                         cache.state_dict()))  # cloned tensors
-        finally:
-            launch.TUNING.clear()
-    (y0, sd0) = runs[0]
-    used = slots[slots >= 0]  # the other rows were never written (uninitialized or NaN-poisoned)
-    for y1, sd1 in runs[1:]:
-        assert torch.equal(y0, y1)
-        assert sd0.keys() == sd1.keys()
-        for k in sd0:
-            same = torch.equal(sd0[k][used], sd1[k][used]) if torch.is_tensor(sd0[k]) else sd0[k] == sd1[k]
-            assert same, k
-    # teeth: the split run really launched the refresh kernel and a step kernel without refresh code
-    names = []
-    launch.TUNING["split_refresh"] = True
-    launch.LAUNCHER = lambda kernel, grid, args, kw: names.append((kernel.fn.__name__, kw.get("FUSED_REFRESH")))
-    try:
-        cache = layer.cache(3, window=4, max_draft=2, precision=precision)
-        cache.load_state(slots, state)
-        layer.run(cache, slots, toks[0], False)
-    finally:
-        launch.TUNING.clear()
-        launch.LAUNCHER = launch._launch
-    assert (f"_{arch}_refresh_kernel", None) in names and (f"_{arch}_step_kernel", False) in names
-
-
-@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
-@pytest.mark.parametrize("launches", ["one", "persistent", "two_tier"])
-def test_split_refresh_at_its_own_launch_shape_refreshes_every_row(arch, launches):
-    """The split refresh launch may tile rows differently from the step kernel
-    (launch.REFRESH_SHAPES, TUNING["refresh_rows"]): a refresh at 16 rows per program after
-    steps at 32 gives the fused kernel's bits, one program per tile, persistent, or in two tiers;
-    a grid or a tile count taken from the step's tiling would leave half the rows unrefreshed."""
-    from replayssm._triton import launch
-
-    geometry = {"mamba2": dict(nheads=2, headdim=32, dstate=32, ngroups=1),
-                "gdn": dict(num_k_heads=1, num_v_heads=2, head_k_dim=32, head_v_dim=32)}[arch]
-    layer = TritonLayer(arch, **geometry)
-    base = layer.base
-    slots, state, toks = _two_slots(layer, 17, steps=5)  # window 4: the fifth step refreshes
-    snaps = []
-    for tuning in (dict(split_refresh=False),
-                   dict(split_refresh=True, refresh_rows=16, refresh_warps=1,
-                        persistent_refresh=launches == "persistent", two_tier_refresh=launches == "two_tier")):
-        cache = base.cache(2, window=4, max_draft=1)
-        cache.load_state(slots, state)
-        launch.TUNING.update(tuning, block_rows=32)
-        try:
-            ys = torch.cat([layer.run(cache, slots, t, False) for t in toks])
-        finally:
-            launch.TUNING.clear()
-        snaps.append((ys, helpers.snapshot(cache)))
-    assert torch.equal(snaps[0][0], snaps[1][0])
-    assert not helpers.snapshot_diff(snaps[0][1], snaps[1][1])
-
-
-@pytest.mark.parametrize("precision", ["s32_rs", "tp8_hi32", "bf16_rs"])
-def test_mamba2_refresh_in_column_chunks_matches_whole_rows(precision):
-    """A Mamba-2 refresh folds and encodes 32 columns at a time (launch.refresh_columns; 64 from
-    a 2-byte anchor, so at dstate 128): at dstate 64 that is two passes, each with its own fp8
-    scale blocks, and it must give the bits of one pass over whole rows (the same arithmetic per
-    element), split or fused, and agree with the float64 recurrence; a pass skipped or a scale
-    block misplaced would not."""
-    from replayssm._triton import launch
-
-    layer = TritonLayer("mamba2", nheads=2, headdim=16, dstate=64, ngroups=1)
-    wide = TritonLayer("mamba2", nheads=1, headdim=16, dstate=128, ngroups=1).base.cache(
-        1, window=4, max_draft=1, precision=precision)
-    assert launch.refresh_columns(wide, "mamba2") == (64 if precision == "bf16_rs" else 32)
-    assert launch.refresh_columns(wide, "gdn") == 32
-    base = layer.base
-    slots, state, toks = _two_slots(layer, 23, steps=6, order=(0, 1))  # window 4: steps 5 and 6 refresh
-    snaps = []
-    for tuning in (dict(refresh_columns=64), dict(refresh_columns=32), dict(refresh_columns=32, split_refresh=True)):
-        cache = base.cache(2, window=4, max_draft=1, precision=precision)
-        cache.load_state(slots, state)
-        launch.TUNING.update(tuning)
-        try:
-            ys = torch.cat([layer.run(cache, slots, t, False) for t in toks])
-        finally:
-            launch.TUNING.clear()
-        snaps.append((ys, helpers.snapshot(cache, slots)))  # the scratch row is never written here
-    for ys, snap in snaps[1:]:
-        assert torch.equal(snaps[0][0], ys)
-        assert not helpers.snapshot_diff(snaps[0][1], snap)
-    ref = state.double()
-    for t in toks[:4]:  # the checkpoint written at step 5 holds the first four tokens
-        _, ref = base.reference(ref, t)
-    anchor = cache.decode_anchor(slots).double()
-    tol = 1e-5 if precision != "bf16_rs" else 2.0 ** -7  # a bf16 anchor rounds at the load and the refresh
-    assert (anchor - ref).abs().max() <= tol * ref.abs().max()
-
-
-@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
-@pytest.mark.parametrize("precision", ["tp8_hi32", "f4_sr_rs"])
-def test_output_products_on_tensor_cores_keep_the_anchor_and_the_outputs(arch, precision):
-    """launch.TUNING["output_dot"] (the read-copy products of a step's queries as one tensor-core
-    product over the dequantized read copy) changes only the outputs' last bits: block-scaled
-    read copies decode to the same values, and the anchor never sees the read path. The same
-    with the read copy streamed 32 columns at a time (``launch.stream_stages``; not NVFP4)."""
-    from replayssm._triton import launch
-
-    layer = TritonLayer(arch)
-    g = helpers.generator(13)
-    slots = torch.tensor([1, -1, 0])
-    state = torch.randn(3, *layer.state_shape, generator=g)
-    toks = [layer.tokens(g, 3, 2 if i % 3 == 2 else 1) for i in range(9)]
-    runs = []
-    for tuning in (dict(output_dot=False), dict(output_dot=True),
-                   dict(output_dot=True, stream=2, split_refresh=True)):  # streamed (launch.stream_stages)
-        cache = layer.cache(3, window=4, max_draft=2, precision=precision)
-        cache.load_state(slots, state)
-        launch.TUNING.update(tuning)
-        try:
-            ys = []
-            for tok in toks:
-                verify = tok[next(iter(tok))].shape[1] > 1
-                ys.append(layer.run(cache, slots, tok, verify).flatten())
-                if verify:
-                    cache.accept(slots, torch.tensor([2, 0, 1]))
-            runs.append((torch.cat(ys), cache.materialize(slots)))
-        finally:
-            launch.TUNING.clear()
-    (y0, a0), (y1, a1), (y2, a2) = runs
-    assert not torch.equal(y0, y1)  # the products really took the other path
-    for y, a in ((y1, a1), (y2, a2)):
-        assert (y0 - y).abs().max() <= 1e-5 * y0.abs().max()
-        assert torch.equal(a0[[0, 2]], a[[0, 2]])
-
-
-@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
-@pytest.mark.parametrize("precision", ["s32_rs", "tp8_hi32"])
-def test_streamed_products_over_several_chunks(arch, precision):
-    """At dk = 64 a streamed step (launch.stream_stages) accumulates its read-copy products over
-    two 32-column chunks, each with its own fp8 block scales: outputs as the whole-tile product's
-    to fp32 rounding, the same anchor. A chunk read twice or a scale block misplaced would not."""
-    from replayssm._triton import launch
-
-    geometry = {"mamba2": dict(nheads=2, headdim=16, dstate=64, ngroups=1),
-                "gdn": dict(num_k_heads=1, num_v_heads=2, head_k_dim=64, head_v_dim=16)}[arch]
-    layer = TritonLayer(arch, **geometry)
-    base = layer.base
-    slots, state, toks = _two_slots(layer, 29, steps=5, T=2)  # window 4, verify rounds of 2: rounds 3 and 5 refresh
-    runs = []
-    for stream in (0, 2):
-        cache = base.cache(2, window=4, max_draft=2, precision=precision)
-        cache.load_state(slots, state)
-        launch.TUNING.update(output_dot=True, split_refresh=True, stream=stream)
-        try:
-            ys = []
-            for tok in toks:
-                ys.append(layer.run(cache, slots, tok, True))
-                cache.accept(slots, torch.tensor([2, 1]))
-        finally:
-            launch.TUNING.clear()
-        runs.append((torch.cat(ys), cache.materialize(slots)))
-    (y0, a0), (y1, a1) = runs
-    assert (y0 - y1).abs().max() <= 1e-5 * y0.abs().max()
-    assert torch.equal(a0, a1)
-
-
-@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
-def test_triton_read_precision_leaves_anchor_bit_identical(arch):
-    """Changing only the read format (fp32 anchor) changes outputs, never the anchor bits."""
-    layer = TritonLayer(arch)
+    layer = TritonLayer(arch, **WIDE[arch])
     g = helpers.generator(9)
     slots = torch.tensor([0, 1])
     state = torch.randn(2, *layer.state_shape, generator=g)
-    caches = {p: layer.cache(2, window=4, max_draft=2, precision=p) for p in ("s32_rs", "tp8_hi32", "tp4_hi32")}
-    outs = {p: [] for p in caches}
-    for c in caches.values():
+    runs = {p: layer.cache(2, window=4, max_draft=2, precision=p)
+            for p in ("s32_rs", "tp16_hi32", "tpbf16_hi32", "tp8_hi32", "tp4_hi32")}
+    runs["s32_rs@64"] = layer.cache(2, window=4, max_draft=2, precision="s32_rs")
+    outs = {p: [] for p in runs}
+    for c in runs.values():
         c.load_state(slots, state)
-    for step in range(10):
-        tok = layer.tokens(g, 2, 1)
-        for p, c in caches.items():
-            outs[p].append(layer.run(c, slots, tok, False))
-    anchors = [c.anchor["values"][:2] for c in caches.values()]  # loaded slots (the rest is NaN-poisoned)
+    for step in range(9):
+        T = 2 if step % 3 == 2 else 1
+        tok = layer.tokens(g, 2, T)
+        for p, c in runs.items():
+            launch.TUNING.update(rows=64) if p.endswith("@64") else launch.TUNING.clear()
+            try:
+                outs[p].append(layer.run(c, slots, tok, T > 1).reshape(-1))
+                if T > 1:
+                    layer.accept(c, slots, torch.tensor([1, 2]))
+            finally:
+                launch.TUNING.clear()
+    assert all(int(c.refreshes[:2].min()) >= 2 for c in runs.values())
+    anchors = [c.anchor["values"][:2] for c in runs.values()]  # loaded slots (the rest is NaN-poisoned)
     assert all(torch.equal(anchors[0], a) for a in anchors[1:])
     assert not torch.equal(torch.cat(outs["s32_rs"]), torch.cat(outs["tp8_hi32"]))
 
@@ -424,11 +232,10 @@ def test_mamba2_input_preparation_in_kernel_matches_torch(softplus):
 
 
 @pytest.mark.parametrize("arch", ["mamba2", "gdn"])
-def test_a_triton_step_is_four_launches_and_no_pytorch_compute(arch):
-    """With check_values off (as under CUDA-graph capture) a decode step is the scores, refresh,
-    step and advance launches (scores, step, advance with the fused refresh, Mamba-2's default
-    below launch.SPLIT_MIN_BATCH rows; GDN always splits); PyTorch only allocates outputs and
-    scratch and makes views."""
+def test_a_triton_step_is_three_launches_and_no_pytorch_compute(arch):
+    """With check_values off (as under CUDA-graph capture) a decode step is the scores, step and
+    advance launches, the refresh a branch of the step; PyTorch only allocates outputs and scratch
+    and makes views."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from replayssm._triton import launch
@@ -453,25 +260,38 @@ def test_a_triton_step_is_four_launches_and_no_pytorch_compute(arch):
         args = (bf(3, 2, 32), bf(3, 2, 32), bf(3, 4, 16), -torch.rand(3, 4, generator=g), bf(3, 4))
         call = rs.gdn_decode
     cache.check_values = False
-    by_batch = launch.SPLIT_MIN_BATCH[arch] <= 3
-    assert launch.split_refresh(arch, 3) == by_batch and launch.split_refresh(arch, launch.SPLIT_MIN_BATCH[arch])
-    draft = launch.SPLIT_MIN_DRAFT[arch]  # verify steps of this many drafts split at any batch
-    assert draft is None or (launch.split_refresh(arch, 3, draft)
-                             and launch.split_refresh(arch, 3, draft - 1) == by_batch)
-    for split in (True, False, None):  # None: the default for a batch of 3
-        launches = []
-        launch.LAUNCHER = lambda kernel, grid, a, kw: launches.append(kernel.fn.__name__)
-        if split is not None:
-            launch.TUNING["split_refresh"] = split
-        try:
-            with Ops() as ops:
-                call(cache, slots, *args, backend="triton")
-        finally:
-            launch.LAUNCHER = launch._launch
-            launch.TUNING.clear()
-        refresh = [f"_{arch}_refresh_kernel"] if (by_batch if split is None else split) else []
-        assert launches == [f"_{arch}_scores_kernel", *refresh, f"_{arch}_step_kernel", "advance_kernel"]
-        assert ops.names <= {"empty", "empty_like", "select", "unsqueeze", "view", "slice"}, ops.names
+    launches = []
+    launch.LAUNCHER = lambda kernel, grid, a, kw: launches.append(kernel.fn.__name__)
+    try:
+        with Ops() as ops:
+            call(cache, slots, *args, backend="triton")
+    finally:
+        launch.LAUNCHER = launch._launch
+    assert launches == [f"_{arch}_scores_kernel", f"_{arch}_step_kernel", "advance_kernel"]
+    assert ops.names <= {"empty", "empty_like", "select", "unsqueeze", "view", "slice"}, ops.names
+
+
+def test_step_shapes_follow_the_policy():
+    """``launch.step_shape``: the table by draft length, rows kept to whole fold sub-tiles and
+    NVFP4 row blocks, no tensor-core products for an NVFP4 read copy, sweep labels."""
+    from replayssm._triton import launch
+
+    wide = rs.GDNCache(1, 1, 2, 32, 128, precision="s32_rs")
+    assert launch.step_shape(wide, "gdn", 1)[:2] == (32, 1)
+    assert launch.step_shape(wide, "gdn", 4) == launch.StepShape(64, 4, 0, True, 3)
+    fp4 = rs.GDNCache(1, 1, 2, 32, 128, precision="tp4_hi32")
+    assert launch.step_shape(fp4, "gdn", 4).rows == 32 and not launch.step_shape(fp4, "gdn", 4).output_dot
+    small = rs.Mamba2Cache(1, 2, 16, 32)
+    assert launch.step_shape(small, "mamba2").rows == 16
+    try:
+        launch.TUNING.update(rows=48)
+        assert launch.step_shape(wide, "gdn").rows == launch.FOLD_ROWS
+    finally:
+        launch.TUNING.clear()
+    assert launch.parse_shape("64x4ok3") == dict(rows=64, warps=4, output_dot=True, stream=3)
+    assert launch.parse_shape("32x1v16") == dict(rows=32, warps=1, pin=16)
+    with pytest.raises(ValueError, match="label"):
+        launch.parse_shape("32x1s")
 
 
 def test_triton_accept_matches_torch_accept():

@@ -1,0 +1,75 @@
+"""The step kernels as built for an H100/H200 (sm_90a), compiled on this CPU machine by Triton and
+the ptxas in its wheel (``benchmarks/ptxas_report.py``): what can be checked about the GPU code
+without a GPU. Speed is measured on the GPU only (BENCHMARKS.md)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PTXAS_REPORT = os.path.join(ROOT, "benchmarks", "ptxas_report.py")
+
+
+def _compile_for_sm90(tmp_path, *args) -> str:
+    """stdout of ``python args...`` with a real Triton compile (no interpreter), src on the path and
+    a fresh Triton cache."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.join(ROOT, "src")
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=900)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
+
+
+def _rows(stdout):
+    return [line.split() for line in stdout.splitlines() if "_step_kernel" in line]
+
+
+def test_step_kernels_assemble_without_spills_and_the_pin_saves_shuffles(tmp_path):
+    """The default decode step kernels of both layers, refresh branch included, fit in registers
+    (no spills); GDN's pinned read-copy load (``launch.SHAPES``: 16 elements per thread) reduces its
+    rows in fewer warp shuffles than the same kernel unpinned. Fails if a kernel spills or ignores PIN."""
+    rows = _rows(_compile_for_sm90(tmp_path, PTXAS_REPORT, "--presets", "s32_rs"))
+    assert {r[0] for r in rows} == {"mamba2", "gdn"}
+    for arch, preset, shape, kernel, regs, spills, stack, smem, sass, shfl in rows:
+        assert 0 < int(regs) <= 255 and spills == "0/0", (arch, regs, spills)
+        assert int(sass) > int(shfl) > 0, (arch, sass, shfl)  # the step kernels reduce across lanes
+    unpinned = _rows(_compile_for_sm90(tmp_path, PTXAS_REPORT, "--arch", "gdn", "--presets", "s32_rs",
+                                       "--tuning", "pin=0"))
+    pinned = [r for r in rows if r[0] == "gdn"]
+    assert int(pinned[0][-1]) < int(unpinned[0][-1]), (pinned, unpinned)
+
+
+PDL_SCRIPT = r"""
+import sys
+sys.path.insert(0, sys.argv[1])
+import ptxas_report as pr
+
+for arch in ("mamba2", "gdn"):
+    for kernel, args, kw in pr.record_step(arch, "s32_rs")[:-1]:  # not advance: positional constexprs
+        for pdl in ((False, True) if kernel.fn.__name__.endswith("scores_kernel") else (True,)):
+            code = pr.compile_sm90(kernel, args, dict(kw, PDL=pdl)).asm["ptx"]
+            wait, load = code.find("griddepcontrol.wait"), code.find("ld.global")
+            print(arch, kernel.fn.__name__, pdl, wait >= 0 and 0 <= load and wait < load, code.count("griddepcontrol"))
+"""
+
+
+def test_programmatic_launch_waits_before_any_memory_access(tmp_path):
+    """With programmatic dependent launch (launch.programmatic; GPU only, so compiled here for
+    sm_90 rather than run) a kernel may start before the previous launch of the step has
+    finished: every kernel must wait for it before its first global load. Without it, no wait."""
+    from replayssm._triton import launch
+
+    assert not launch.programmatic(torch.arange(2))  # never on the CPU
+    stdout = _compile_for_sm90(tmp_path, "-c", PDL_SCRIPT, os.path.join(ROOT, "benchmarks"))
+    rows = [line.split() for line in stdout.splitlines()]
+    assert len(rows) == 6, rows  # scores (twice) and step kernels of both architectures
+    for arch, name, pdl, waits_first, count in rows:
+        if pdl == "True":
+            assert waits_first == "True" and count == "2", (arch, name)  # the wait and the go-ahead
+        else:
+            assert count == "0", (arch, name)
