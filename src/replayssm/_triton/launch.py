@@ -213,6 +213,10 @@ class StepShape(NamedTuple):
     pin: int         #: elements per thread pinned on the read-copy load (``formats.pin_vector_width``), 0 = none
     output_dot: bool  #: the read-copy products of all queries as one tensor-core product
     stream: int      #: with output_dot: chunks in flight of a streamed read copy, 0 = loaded whole
+    split: bool = False  #: refresh in a launch of its own before the step (else a branch of the step)
+    stages: int = 2  #: column chunks of a refresh's fold in flight (software-pipelined loop)
+    maxnreg: int = 0  #: a register cap for the step kernel (ptxas), 0 = none
+    refresh_warps: int = 2  #: warps per program of a split refresh launch (32 rows per program)
 
 
 #: Step shapes by (architecture, read format): entries (least draft length, StepShape fields), by
@@ -267,11 +271,19 @@ def parse_shape(text: str) -> dict:
     """``TUNING`` overrides from a sweep label: "RxW" = R rows per program, W warps; then optional
     "v" and the pinned elements per thread, "o" (outputs' products on tensor cores), "k" and the
     chunks in flight of a streamed read copy (2 if none given). E.g. "32x1", "32x1v16", "64x4ok3"."""
-    m = re.fullmatch(r"(\d+)x(\d+)(?:v(\d+))?(o)?(?:k(\d*))?", text)
+    m = re.fullmatch(r"(\d+)x(\d+)(?:v(\d+))?(o)?(?:k(\d*))?(?:s(\d*))?(?:n(\d+))?(?:r(\d+))?", text)
     if not m:
         raise ValueError(f"cannot read the shape label {text!r} (e.g. '32x1', '32x1v16', '64x4ok3')")
-    rows, warps, pin, dot, stream = m.groups()
+    rows, warps, pin, dot, stream, split, stages, maxnreg = m.groups()
     out = dict(rows=int(rows), warps=int(warps))
+    if split is not None:
+        out["split"] = True
+        if split:
+            out["refresh_warps"] = int(split)
+    if stages is not None:
+        out["stages"] = int(stages)
+    if maxnreg is not None:
+        out["maxnreg"] = int(maxnreg)
     if pin is not None:
         out["pin"] = int(pin)
     if dot:

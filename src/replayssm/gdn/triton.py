@@ -123,7 +123,7 @@ def _gdn_refresh_rows(pid_b, head, khead, row, h, r0, seeds_ptr, tokens_ptr, tin
                       av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, HV, HK,
                       L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
                       FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
-                      R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr):
+                      R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr):
     """Refresh rows r0 .. r0 + BV of value head ``head`` of storage row ``row`` (h committed
     entries, batch row ``pid_b``), FR rows at a time: the residual solve and fold of the module
     docstring, then the encode of KC columns at a time."""
@@ -146,7 +146,7 @@ def _gdn_refresh_rows(pid_b, head, khead, row, h, r0, seeds_ptr, tokens_ptr, tin
         V_c = tl.load(bv_ptr + (buf_tok[None, :] * HV + head) * DV + rv[:, None], mask=old[None, :],
                       other=0.0).to(tl.float32)  # [FR, LP]
         SK = tl.zeros((FR, LP), dtype=tl.float32)  # S_anchor k_j
-        for c in tl.range(0, DK // SKC, num_stages=1):  # a loop, not unrolled: registers
+        for c in tl.range(0, DK // SKC, num_stages=STAGES):  # a loop, not unrolled: registers
             cols = c * SKC + tl.arange(0, SKC)
             K_part = tl.load(bk_ptr + (buf_tok[:, None] * HK + khead) * DK + cols[None, :], mask=old[:, None],
                              other=0.0).to(tl.float32)
@@ -154,7 +154,7 @@ def _gdn_refresh_rows(pid_b, head, khead, row, h, r0, seeds_ptr, tokens_ptr, tin
             SK += tl.dot(S_part, tl.trans(K_part), input_precision="tf32x3")
         R = tl.where(old[None, :], beta_c[None, :] * (V_c - ec[None, :] * SK), 0.0)
         U = tl.dot(R, Tinv, input_precision="tf32x3") * es[None, :]  # residuals, decayed to the end
-        for c in tl.range(0, DK // KC, num_stages=1):  # a loop, not unrolled: registers
+        for c in tl.range(0, DK // KC, num_stages=STAGES):  # a loop, not unrolled: registers
             cols = c * KC + tl.arange(0, KC)
             K_part = tl.load(bk_ptr + (buf_tok[:, None] * HK + khead) * DK + cols[None, :], mask=old[:, None],
                              other=0.0).to(tl.float32)
@@ -162,6 +162,25 @@ def _gdn_refresh_rows(pid_b, head, khead, row, h, r0, seeds_ptr, tokens_ptr, tin
             S += tl.dot(U, K_part, input_precision="tf32x3")
             write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, cols, seed,
                              tokens, DV, DK, A_FMT, A_SR, R_FMT, R_SR, SHARED)
+
+
+@triton.jit
+def _gdn_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, decays_ptr,
+                        av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, SCRATCH, HV, HK,
+                        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
+                        FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
+                        R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr,
+                        PDL: tl.constexpr):
+    """The refresh in a launch of its own (``StepShape.split``): one program per FR rows of a value
+    head and batch row; programs of slots that are not due exit."""
+    after_previous_launch(PDL)
+    pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
+    h, need = step_cursor(cursors_ptr, pid_b, valid, T, L)
+    if need:
+        _gdn_refresh_rows(pid_b, head, head // (HV // HK), row, h, pid_v * FR, seeds_ptr, tokens_ptr, tinv_ptr,
+                          decays_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, HV,
+                          HK, L, LP, DV, DK, FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES)
 
 
 @triton.jit
@@ -213,7 +232,7 @@ def _gdn_step_kernel(
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr, STREAM: tl.constexpr,
-        PIN: tl.constexpr, PDL: tl.constexpr):
+        PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -225,11 +244,12 @@ def _gdn_step_kernel(
     rv = pid_v * BV + tl.arange(0, BV)
     ck = tl.arange(0, DK)
     j = tl.arange(0, LP)
-    if need:  # refresh: re-solve the committed residuals from the anchor, fold, encode
-        _gdn_refresh_rows(pid_b, head, khead, row, h, pid_v * BV, seeds_ptr, tokens_ptr, tinv_ptr, decays_ptr,
-                          av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, HV, HK, L, LP,
-                          DV, DK, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED)
-        tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
+    if REFRESH:
+        if need:  # refresh: re-solve the committed residuals from the anchor, fold, encode
+            _gdn_refresh_rows(pid_b, head, khead, row, h, pid_v * BV, seeds_ptr, tokens_ptr, tinv_ptr, decays_ptr,
+                              av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, HV, HK, L,
+                              LP, DV, DK, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES)
+            tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
     h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
     # the read copy in its own layout (the anchor itself when shared; with STREAM never whole),
     # then everything else a program reads, all issued before any arithmetic
@@ -305,14 +325,19 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], buf["g"], buf["beta"], k, q,
                kn, qn, scores, tinv, decays, float(scale), cache.scratch_row, HK, HV, T=T, L=cache.window, LP=LP,
                DK=K, RATIO=HV // HK, NORM=normalize)
+    FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "gdn")
+    if shape.split:
+        launch.run(_gdn_refresh_kernel, (V // FR, HV, b), slots, cursors, cache.tokens, cache.seeds, tinv, decays,
+                   *anchor, *read, buf["k"], buf["v"], buf["beta"], cache.scratch_row, HV, HK, T=T, L=cache.window,
+                   LP=LP, DV=V, DK=K, FR=FR, KC=KC, STAGES=shape.stages, num_warps=shape.refresh_warps, **consts)
+    extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
     launch.run(
         _gdn_step_kernel, (V // shape.rows, HV, b),
         slots, cursors, cache.tokens, cache.seeds, tinv, decays, *anchor, *read,
         buf["k"], buf["v"], buf["g"], buf["beta"], buf["u"],
         qn, kn, v, g, beta, scores, o, cache.scratch_row, HV, HK,
-        T=T, L=cache.window, LP=LP, DV=V, DK=K, BV=shape.rows, FR=min(launch.FOLD_ROWS, shape.rows),
-        KC=launch.refresh_columns(cache, "gdn"), OUTPUT_DOT=shape.output_dot,
-        QP=max(16, triton.next_power_of_2(2 * T)), STREAM=shape.stream, PIN=shape.pin, num_warps=shape.warps,
-        **consts)
+        T=T, L=cache.window, LP=LP, DV=V, DK=K, BV=shape.rows, FR=FR, KC=KC, OUTPUT_DOT=shape.output_dot,
+        QP=max(16, triton.next_power_of_2(2 * T)), STREAM=shape.stream, PIN=shape.pin, REFRESH=not shape.split,
+        STAGES=shape.stages, num_warps=shape.warps, **extra, **consts)
     launch.advance(cache, slots, T, commit, {"k": kn, "g": g, "beta": beta})
     return o

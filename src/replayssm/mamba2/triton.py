@@ -84,7 +84,7 @@ def _mamba2_refresh_rows(pid_b, head, row, h, r0, seeds_ptr, tokens_ptr, fold_w_
                          av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, H, G,
                          L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
                          FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
-                         R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr):
+                         R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr):
     """Refresh rows r0 .. r0 + BV of one head of storage row ``row`` (h committed entries): fold
     FR rows by KC columns at a time, S = gamma_h S_anchor + (x_j w_j)_j B^T, and encode them."""
     mat = row * H + head
@@ -101,7 +101,7 @@ def _mamba2_refresh_rows(pid_b, head, row, h, r0, seeds_ptr, tokens_ptr, fold_w_
         gidx = mat * (DV // FR) + (r0 + f * FR) // FR  # NVFP4: FR is the row block, one global scale
         X = tl.load(bx_ptr + (buf_tok[None, :] * H + head) * DV + rv[:, None], mask=old[None, :], other=0.0)
         XW = X.to(tl.float32) * w[None, :]
-        for c in tl.range(0, DK // KC, num_stages=1):  # a loop, not unrolled: registers
+        for c in tl.range(0, DK // KC, num_stages=STAGES):  # a loop, not unrolled: registers
             cols = c * KC + tl.arange(0, KC)
             B_c = tl.load(bB_ptr + ((row * L + j[:, None]) * G + group) * DK + cols[None, :], mask=old[:, None],
                           other=0.0)
@@ -109,6 +109,25 @@ def _mamba2_refresh_rows(pid_b, head, row, h, r0, seeds_ptr, tokens_ptr, fold_w_
             S += tl.dot(XW, B_c.to(tl.float32), input_precision="tf32x3")
             write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, cols, seed,
                              tokens, DV, DK, A_FMT, A_SR, R_FMT, R_SR, SHARED)
+
+
+@triton.jit
+def _mamba2_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_ptr, fold_decay_ptr,
+                           av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, SCRATCH, H, G,
+                           T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
+                           FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
+                           R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr,
+                           PDL: tl.constexpr):
+    """The refresh in a launch of its own (``StepShape.split``): one program per FR rows of a head
+    and batch row; programs of slots that are not due exit."""
+    after_previous_launch(PDL)
+    pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
+    h, need = step_cursor(cursors_ptr, pid_b, valid, T, L)
+    if need:
+        _mamba2_refresh_rows(pid_b, head, row, h, pid_v * FR, seeds_ptr, tokens_ptr, fold_w_ptr, fold_decay_ptr,
+                             av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, H, G, L, LP, DV, DK,
+                             FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES)
 
 
 @triton.jit
@@ -144,7 +163,8 @@ def _mamba2_step_kernel(
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
-        SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, PIN: tl.constexpr, PDL: tl.constexpr):
+        SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, PIN: tl.constexpr, REFRESH: tl.constexpr,
+        STAGES: tl.constexpr, PDL: tl.constexpr):
     after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -157,11 +177,12 @@ def _mamba2_step_kernel(
     ck = tl.arange(0, DK)
     j = tl.arange(0, LP)
     buf_tok = row * L + j  # [LP] buffer token index of this slot
-    if need:  # refresh: fold the h committed entries into a new checkpoint, from the anchor
-        _mamba2_refresh_rows(pid_b, head, row, h, pid_v * BV, seeds_ptr, tokens_ptr, fold_w_ptr, fold_decay_ptr,
-                             av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, H, G, L, LP, DV, DK,
-                             BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED)
-        tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
+    if REFRESH:
+        if need:  # refresh: fold the h committed entries into a new checkpoint, from the anchor
+            _mamba2_refresh_rows(pid_b, head, row, h, pid_v * BV, seeds_ptr, tokens_ptr, fold_w_ptr, fold_decay_ptr,
+                                 av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, H, G, L, LP, DV, DK,
+                                 BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES)
+            tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
     h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
     # the read copy in its own layout (the anchor itself when shared), then everything else a
     # program reads, all issued before any arithmetic so that it waits on memory once
@@ -223,14 +244,20 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
                B, C, scores, fold_w, fold_decay, dt_in, dt_in if dt_bias is None else dt_bias.contiguous(), A, dt,
                log_alpha, cache.scratch_row, H, G, T=T, L=cache.window, LP=LP, DK=N,
                HG=triton.next_power_of_2(H // G), HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus))
+    FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "mamba2")
+    if shape.split:
+        launch.run(_mamba2_refresh_kernel, (P // FR, H, b), slots, cursors, cache.tokens, cache.seeds, fold_w,
+                   fold_decay, *anchor, *read, buf["x"], buf["B"], cache.scratch_row, H, G, T=T, L=cache.window,
+                   LP=LP, DV=P, DK=N, FR=FR, KC=KC, STAGES=shape.stages, num_warps=shape.refresh_warps, **consts)
+    extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
     launch.run(
         _mamba2_step_kernel, (P // shape.rows, H, b),
         slots, cursors, cache.tokens, cache.seeds, fold_w, fold_decay, *anchor, *read,
         buf["x"], buf["dt"], buf["log_alpha"], buf["B"],
         x, dt, log_alpha, C, x if D is None else D, x if z is None else z, scores, y,
         cache.scratch_row, H, G,
-        T=T, L=cache.window, LP=LP, DV=P, DK=N, BV=shape.rows, FR=min(launch.FOLD_ROWS, shape.rows),
-        KC=launch.refresh_columns(cache, "mamba2"), HAS_D=D is not None, HAS_Z=z is not None, PIN=shape.pin,
-        num_warps=shape.warps, **consts)
+        T=T, L=cache.window, LP=LP, DV=P, DK=N, BV=shape.rows, FR=FR, KC=KC, HAS_D=D is not None,
+        HAS_Z=z is not None, PIN=shape.pin, REFRESH=not shape.split, STAGES=shape.stages, num_warps=shape.warps,
+        **extra, **consts)
     launch.advance(cache, slots, T, commit, {"dt": dt, "log_alpha": log_alpha, "B": B})
     return y
