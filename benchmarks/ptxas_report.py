@@ -149,7 +149,7 @@ def main(argv=None):
                 if shape != "default":
                     launch.TUNING.update(launch.parse_shape(shape))
                 for kernel, a, kw in record_step(arch, preset, args.draft):
-                    if "step" not in kernel.fn.__name__:
+                    if "step" not in kernel.fn.__name__ and "refresh" not in kernel.fn.__name__:
                         continue
                     if args.instructions:
                         os.makedirs(args.instructions, exist_ok=True)
@@ -158,7 +158,7 @@ def main(argv=None):
                             f.write("\n".join(instructions(compile_sm90(kernel, a, kw))) + "\n")
                         continue
                     res = assemble(kernel, a, kw)
-                    shown = f"{kw['BV']}x{kw['num_warps']}"
+                    shown = f"{kw.get('BV', kw['FR'])}x{kw['num_warps']}"
                     print(f"{arch:7s} {preset:12s} {shown:8s} {kernel.fn.__name__:24s} {res['registers']:4d} "
                           f"{res['spill_stores']:5d}/{res['spill_loads']:<5d} {res['stack']:5d} {res['shared']:6d} "
                           f"{res['sass']:6d} {res['shfl']:5d}",

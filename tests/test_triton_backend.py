@@ -232,10 +232,10 @@ def test_mamba2_input_preparation_in_kernel_matches_torch(softplus):
 
 
 @pytest.mark.parametrize("arch", ["mamba2", "gdn"])
-def test_a_triton_step_is_three_launches_and_no_pytorch_compute(arch):
+def test_a_triton_step_is_three_or_four_launches_and_no_pytorch_compute(arch):
     """With check_values off (as under CUDA-graph capture) a decode step is the scores, step and
-    advance launches, the refresh a branch of the step; PyTorch only allocates outputs and scratch
-    and makes views."""
+    advance launches with the refresh a branch of the step, or with the refresh launch between
+    scores and step (``StepShape.split``); PyTorch only allocates outputs and scratch and makes views."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from replayssm._triton import launch
@@ -260,15 +260,19 @@ def test_a_triton_step_is_three_launches_and_no_pytorch_compute(arch):
         args = (bf(3, 2, 32), bf(3, 2, 32), bf(3, 4, 16), -torch.rand(3, 4, generator=g), bf(3, 4))
         call = rs.gdn_decode
     cache.check_values = False
-    launches = []
-    launch.LAUNCHER = lambda kernel, grid, a, kw: launches.append(kernel.fn.__name__)
-    try:
-        with Ops() as ops:
-            call(cache, slots, *args, backend="triton")
-    finally:
-        launch.LAUNCHER = launch._launch
-    assert launches == [f"_{arch}_scores_kernel", f"_{arch}_step_kernel", "advance_kernel"]
-    assert ops.names <= {"empty", "empty_like", "select", "unsqueeze", "view", "slice"}, ops.names
+    for split in (False, True):
+        launches = []
+        launch.LAUNCHER = lambda kernel, grid, a, kw: launches.append(kernel.fn.__name__)
+        launch.TUNING["split"] = split
+        try:
+            with Ops() as ops:
+                call(cache, slots, *args, backend="triton")
+        finally:
+            launch.LAUNCHER = launch._launch
+            launch.TUNING.clear()
+        refresh = [f"_{arch}_refresh_kernel"] if split else []
+        assert launches == [f"_{arch}_scores_kernel", *refresh, f"_{arch}_step_kernel", "advance_kernel"]
+        assert ops.names <= {"empty", "empty_like", "select", "unsqueeze", "view", "slice"}, ops.names
 
 
 def test_step_shapes_follow_the_policy():
@@ -277,8 +281,10 @@ def test_step_shapes_follow_the_policy():
     from replayssm._triton import launch
 
     wide = rs.GDNCache(1, 1, 2, 32, 128, precision="s32_rs")
-    assert launch.step_shape(wide, "gdn", 1)[:2] == (32, 1)
-    assert launch.step_shape(wide, "gdn", 4) == launch.StepShape(64, 4, 0, True, 3)
+    assert launch.step_shape(wide, "gdn", 1)[:2] == (32, 1) and launch.step_shape(wide, "gdn", 1).split
+    four = launch.step_shape(wide, "gdn", 4)
+    assert (four.rows, four.output_dot, four.stream, four.split) == (32, True, 3, False)
+    assert launch.step_shape(wide, "gdn", 3).pin == 16  # the T = 1 entry still applies
     fp4 = rs.GDNCache(1, 1, 2, 32, 128, precision="tp4_hi32")
     assert launch.step_shape(fp4, "gdn", 4).rows == 32 and not launch.step_shape(fp4, "gdn", 4).output_dot
     small = rs.Mamba2Cache(1, 2, 16, 32)
@@ -290,6 +296,8 @@ def test_step_shapes_follow_the_policy():
         launch.TUNING.clear()
     assert launch.parse_shape("64x4ok3") == dict(rows=64, warps=4, output_dot=True, stream=3)
     assert launch.parse_shape("32x1v16") == dict(rows=32, warps=1, pin=16)
+    assert launch.parse_shape("32x1s4n2r168") == dict(rows=32, warps=1, split=True, refresh_warps=4, stages=2,
+                                                      maxnreg=168)
     with pytest.raises(ValueError, match="label"):
         launch.parse_shape("32x1s")
 

@@ -219,24 +219,30 @@ class StepShape(NamedTuple):
     refresh_warps: int = 2  #: warps per program of a split refresh launch (32 rows per program)
 
 
-#: Step shapes by (architecture, read format): entries (least draft length, StepShape fields), by
-#: increasing least length; a step of T tokens takes the last entry whose least length is <= T.
-#: One warp per 32 rows keeps row reductions inside a warp; NVFP4 takes 4 warps (one cannot hide
-#: its nibble decoding); GDN verify steps of T >= 4 run their read-copy products on tensor cores,
-#: fp32 ones streamed through shared memory at 64 rows. The pin: Triton loads an fp32 tile 4
-#: elements per thread and an fp16 tile 8, spreading a 128-wide row over a whole warp, so every row
-#: reduction ends in 5 rounds of shuffles; pinned to 16 per thread, 3.
+#: Step shapes by (architecture, read format): entries (least draft length, fields of StepShape that
+#: differ from ``BASE_SHAPE``), by increasing least length; a step of T tokens takes the last entry
+#: whose least length is <= T. Each is the fastest measured on an H200 at batch 256, staggered
+#: windows, real geometries (BENCHMARKS.md). One warp per 32 rows keeps row reductions inside a
+#: warp; NVFP4 takes 4 warps (one cannot hide its nibble decoding). The refresh is a branch of the
+#: step where its registers cost the plain programs less than a launch of its own costs (Mamba-2
+#: decode from fp32 and 2-byte read copies: 309 against 352 us for s32_rs), else a launch of its
+#: own (GDN; narrow read copies; verify steps). GDN verify steps of T >= 4 run their read-copy
+#: products on tensor cores, streamed. The pin: Triton loads an fp32 tile 4 elements per thread and
+#: an fp16 tile 8, spreading a 128-wide row over a whole warp, so every row reduction ends in 5
+#: rounds of shuffles; pinned to 16 per thread, 3.
+BASE_SHAPE = StepShape(rows=32, warps=1, pin=0, output_dot=False, stream=0, split=True, stages=3)
+_VERIFY_DOT = dict(output_dot=True, stream=3)
 SHAPES = {
-    ("mamba2", "fp32"): ((1, 32, 1, 0, False, 0), (2, 32, 1, 16, False, 0)),
-    ("mamba2", "fp16"): ((1, 32, 1, 16, False, 0),),
-    ("mamba2", "bf16"): ((1, 32, 1, 16, False, 0),),
-    ("mamba2", "fp8_e4m3"): ((1, 32, 1, 0, False, 0),),
-    ("mamba2", "nvfp4"): ((1, 32, 4, 0, False, 0),),
-    ("gdn", "fp32"): ((1, 32, 1, 16, False, 0), (4, 64, 4, 0, True, 3)),
-    ("gdn", "fp16"): ((1, 32, 1, 8, False, 0), (4, 32, 1, 0, True, 3)),
-    ("gdn", "bf16"): ((1, 32, 1, 16, False, 0), (4, 32, 1, 0, True, 3)),
-    ("gdn", "fp8_e4m3"): ((1, 32, 1, 0, False, 0), (4, 32, 1, 0, True, 3)),
-    ("gdn", "nvfp4"): ((1, 32, 4, 0, False, 0),),
+    ("mamba2", "fp32"): ((1, dict(split=False, stages=2)), (2, dict(pin=16))),
+    ("mamba2", "fp16"): ((1, dict(pin=16, split=False, stages=2, maxnreg=168)), (2, dict(pin=16))),
+    ("mamba2", "bf16"): ((1, dict(pin=16, split=False, stages=2, maxnreg=168)), (2, dict(pin=16))),
+    ("mamba2", "fp8_e4m3"): ((1, {}),),
+    ("mamba2", "nvfp4"): ((1, dict(warps=4, refresh_warps=4)),),
+    ("gdn", "fp32"): ((1, dict(pin=16)), (4, dict(split=False, **_VERIFY_DOT))),
+    ("gdn", "fp16"): ((1, dict(pin=8)), (4, _VERIFY_DOT)),
+    ("gdn", "bf16"): ((1, dict(pin=16)), (4, _VERIFY_DOT)),
+    ("gdn", "fp8_e4m3"): ((1, {}), (4, _VERIFY_DOT)),
+    ("gdn", "nvfp4"): ((1, dict(warps=4)),),
 }
 
 #: Overrides of ``step_shape``'s fields for benchmark sweeps ({"rows": 64, "warps": 2, ...});
@@ -253,10 +259,10 @@ def step_shape(cache, arch: str, T: int = 1) -> StepShape:
     are a multiple of FOLD_ROWS (whole NVFP4 global-scale blocks, which are 32-row blocks) or the
     head's dv when that is smaller; no products on tensor cores for an NVFP4 read copy."""
     fmt = cache.precision.read_format.name
-    found = None
-    for least, *fields in SHAPES[(arch, fmt)]:
+    found = BASE_SHAPE
+    for least, fields in SHAPES[(arch, fmt)]:
         if T >= least:
-            found = StepShape(*fields)
+            found = BASE_SHAPE._replace(**fields)
     found = found._replace(**TUNING)
     rows = found.rows
     if cache.dv <= FOLD_ROWS or _uses_nvfp4(cache):

@@ -43,10 +43,13 @@ from .._triton.formats import (column, load_query, load_read, load_tile, matvec,
 
 
 @triton.jit
-def _residual_inverse(bg_ptr, bbeta_ptr, row, vhead, h, gram, HV, L: tl.constexpr, LP: tl.constexpr):
-    """For value head ``vhead`` of a slot due to refresh (h committed entries): (X = (I + M)^{-1}
-    [LP, LP] by forward substitution, e^{c_j} [LP], e^{g(j, h)} [LP], e^{c_h}), all zero past h
-    except X's identity rows. M[j, i] = beta_j e^{g(i, j]} gram[j, i] for i < j < h."""
+def _residual_inverse(bg_ptr, bbeta_ptr, row, vhead, h, gram, HV, L: tl.constexpr, LP: tl.constexpr,
+                      SQUARINGS: tl.constexpr):
+    """For value head ``vhead`` of a slot due to refresh (h committed entries): ((I + M)^{-1}
+    [LP, LP], e^{c_j} [LP], e^{g(j, h)} [LP], e^{c_h}), the vectors zero past h. M[j, i] =
+    beta_j e^{g(i, j]} gram[j, i] for i < j < h is strictly lower triangular, so M^LP = 0 and
+    (I + M)^{-1} = (I - M)(I + M^2)(I + M^4)...(I + M^{LP/2}): log2(LP) tensor-core products
+    instead of LP dependent substitution steps (SQUARINGS = log2(LP) - 1)."""
     jr = tl.arange(0, LP)[:, None]  # row (entry j)
     ic = tl.arange(0, LP)[None, :]  # column (entry i)
     j = tl.arange(0, LP)
@@ -59,11 +62,12 @@ def _residual_inverse(bg_ptr, bbeta_ptr, row, vhead, h, gram, HV, L: tl.constexp
     seg = tl.sum(tl.where((k3 > ic[:, :, None]) & (k3 <= jr[:, :, None]), g_c[None, None, :], 0.0), 2)  # g(i, j]
     lower = (ic < jr) & (jr < h)
     M = tl.where(lower, beta_c[:, None] * tl.exp(tl.where(lower, seg, 0.0)) * gram, 0.0)
-    X = tl.where(jr == ic, 1.0, 0.0)
-    for r in tl.static_range(1, L):  # row r of X from the rows before it
-        coeff = tl.sum(tl.where(jr == r, M, 0.0), 0)  # M[r, i], indexed by i
-        fresh = tl.where(j == r, 1.0, 0.0) - tl.sum(coeff[:, None] * X, 0)
-        X = tl.where(jr == r, fresh[None, :], X)
+    eye = tl.where(jr == ic, 1.0, 0.0)
+    X = eye - M
+    power = M
+    for _ in tl.static_range(SQUARINGS):  # factors (I + M^2), (I + M^4), ..., (I + M^{LP/2})
+        power = tl.dot(power, power, input_precision="tf32x3")
+        X = tl.dot(X, eye + power, input_precision="tf32x3")
     return X, ec, es, tl.exp(tl.sum(g_c, 0))
 
 
@@ -71,51 +75,52 @@ def _residual_inverse(bg_ptr, bbeta_ptr, row, vhead, h, gram, HV, L: tl.constexp
 def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, bbeta_ptr, k_ptr, q_ptr, kn_ptr,
                        qn_ptr, scores_ptr, tinv_ptr, decays_ptr, scale, SCRATCH, HK, HV,
                        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, RATIO: tl.constexpr,
-                       NORM: tl.constexpr, PDL: tl.constexpr):
-    """Once per (batch row, key head): the T new keys and queries prepared in fp32 (L2-normalized
-    when NORM, as flash-linear-attention's l2norm, queries times ``scale``) into kn, qn [b, T, HK, K]
-    for the other launches; the batch row's committed count into ``cursors`` [b]; then
-    scores[b, kh, 0, s, j] = k_j . q_s and scores[b, kh, 1, s, j] = k_j . k_s over the entries of
-    the window (committed + new). For a slot due to refresh, per value head of the key head:
+                       SQUARINGS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    """Once per (batch row, value head); the first value head of each key head also: the T new
+    keys and queries prepared in fp32 (L2-normalized when NORM, as flash-linear-attention's l2norm,
+    queries times ``scale``) into kn, qn [b, T, HK, K] for the other launches, and
+    scores[b, kh, 0, s, j] = k_j . q_s, scores[b, kh, 1, s, j] = k_j . k_s over the entries of the
+    window (committed + new). The first program of a batch row copies its committed count into
+    ``cursors`` [b]. For a slot due to refresh, every program builds its value head's
     tinv[b, vh] = (I + M)^{-T} [LP, LP] and decays[b, vh] = (e^{c_j}, e^{g(j, h)}, e^{c_h} at 2, 0)."""
     after_previous_launch(PDL)
-    pid_b, khead = tl.program_id(0), tl.program_id(1)
+    pid_b, vhead = tl.program_id(0), tl.program_id(1)
+    khead = vhead // RATIO
     ck = tl.arange(0, DK)
-    for s in tl.static_range(T):
-        at = ((pid_b * T + s) * HK + khead) * DK + ck
-        k = tl.load(k_ptr + at).to(tl.float32)
-        q = tl.load(q_ptr + at).to(tl.float32)
-        if NORM:
-            k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
-            q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
-        tl.store(kn_ptr + at, k)
-        tl.store(qn_ptr + at, q * scale)
-    tl.debug_barrier()  # the rows just written are read back by other threads of the program
-    _, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
-    if khead == 0:
-        tl.store(cursors_ptr + pid_b, h)
     j = tl.arange(0, LP)
+    _, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
+    if vhead == 0:
+        tl.store(cursors_ptr + pid_b, h)
     if need:  # the refresh's solve, at this launch's shape for every preset
         K_c = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :], mask=(j < h)[:, None],
                       other=0.0).to(tl.float32)
         gram = tl.dot(K_c, tl.trans(K_c), input_precision="tf32x3")  # k_j . k_i
-        for vv in tl.static_range(RATIO):
-            vhead = khead * RATIO + vv
-            X, ec, es, total = _residual_inverse(bg_ptr, bbeta_ptr, row, vhead, h, gram, HV, L, LP)
-            base = (pid_b * HV + vhead) * LP
-            tl.store(tinv_ptr + (base + j[None, :]) * LP + j[:, None], X)  # transposed: [i, j] = X[j, i]
-            tl.store(decays_ptr + (base * 3) + j, ec)
-            tl.store(decays_ptr + (base * 3) + LP + j, es)
-            tl.store(decays_ptr + (base * 3) + 2 * LP + j, tl.where(j == 0, total, 0.0))
-    h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
-    K = window_rows(bk_ptr, kn_ptr, row, pid_b, h, khead, HK, ck, DK, T, L, LP)
-    for s in tl.static_range(T):
-        tok = pid_b * T + s
-        q = tl.load(qn_ptr + (tok * HK + khead) * DK + ck)
-        k = tl.load(kn_ptr + (tok * HK + khead) * DK + ck).to(bk_ptr.dtype.element_ty).to(tl.float32)
-        base = ((pid_b * HK + khead) * 2 * T + s) * LP
-        tl.store(scores_ptr + base + j, tl.sum(K * q[None, :], 1))
-        tl.store(scores_ptr + base + T * LP + j, tl.sum(K * k[None, :], 1))
+        X, ec, es, total = _residual_inverse(bg_ptr, bbeta_ptr, row, vhead, h, gram, HV, L, LP, SQUARINGS)
+        base = (pid_b * HV + vhead) * LP
+        tl.store(tinv_ptr + (base + j[None, :]) * LP + j[:, None], X)  # transposed: [i, j] = X[j, i]
+        tl.store(decays_ptr + (base * 3) + j, ec)
+        tl.store(decays_ptr + (base * 3) + LP + j, es)
+        tl.store(decays_ptr + (base * 3) + 2 * LP + j, tl.where(j == 0, total, 0.0))
+    if vhead % RATIO == 0:
+        for s in tl.static_range(T):
+            at = ((pid_b * T + s) * HK + khead) * DK + ck
+            k = tl.load(k_ptr + at).to(tl.float32)
+            q = tl.load(q_ptr + at).to(tl.float32)
+            if NORM:
+                k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+                q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
+            tl.store(kn_ptr + at, k)
+            tl.store(qn_ptr + at, q * scale)
+        tl.debug_barrier()  # the rows just written are read back by other threads of the program
+        h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
+        K = window_rows(bk_ptr, kn_ptr, row, pid_b, h, khead, HK, ck, DK, T, L, LP)
+        for s in tl.static_range(T):
+            tok = pid_b * T + s
+            q = tl.load(qn_ptr + (tok * HK + khead) * DK + ck)
+            k = tl.load(kn_ptr + (tok * HK + khead) * DK + ck).to(bk_ptr.dtype.element_ty).to(tl.float32)
+            base = ((pid_b * HK + khead) * 2 * T + s) * LP
+            tl.store(scores_ptr + base + j, tl.sum(K * q[None, :], 1))
+            tl.store(scores_ptr + base + T * LP + j, tl.sum(K * k[None, :], 1))
 
 
 @triton.jit
@@ -322,9 +327,9 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     tinv = torch.empty(b, HV, LP, LP, dtype=torch.float32, device=dev)
     decays = torch.empty(b, HV, 3, LP, dtype=torch.float32, device=dev)
     cursors = torch.empty(b, dtype=cache.committed.dtype, device=dev)
-    launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], buf["g"], buf["beta"], k, q,
+    launch.run(_gdn_scores_kernel, (b, HV), slots, cache.committed, cursors, buf["k"], buf["g"], buf["beta"], k, q,
                kn, qn, scores, tinv, decays, float(scale), cache.scratch_row, HK, HV, T=T, L=cache.window, LP=LP,
-               DK=K, RATIO=HV // HK, NORM=normalize)
+               DK=K, RATIO=HV // HK, SQUARINGS=LP.bit_length() - 2, NORM=normalize)
     FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "gdn")
     if shape.split:
         launch.run(_gdn_refresh_kernel, (V // FR, HV, b), slots, cursors, cache.tokens, cache.seeds, tinv, decays,

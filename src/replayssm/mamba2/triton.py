@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .._triton import launch
 from .._triton.launch import after_previous_launch
-from .._triton.decay import segment_to, suffix_sums
+from .._triton.decay import segment_to
 from .._triton.window import slot_cursor, slot_row, step_cursor, window_rows, window_scalars
 from .._triton.formats import load_query, load_read, load_tile, matvec, pin_vector_width, write_checkpoint
 
@@ -62,15 +62,15 @@ def _mamba2_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bB_ptr, bdt_ptr
     if group == 0:
         tl.store(cursors_ptr + pid_b, h)
     j = tl.arange(0, LP)
-    if need:  # the refresh's per-token scalars, at this launch's shape for every preset
-        old = j < h
-        for hh in tl.static_range(HG):
-            if hh < H // G:
-                head = group * (H // G) + hh
-                la_c = tl.load(bla_ptr + (row * L + j) * H + head, mask=old, other=0.0)
-                w = tl.exp(suffix_sums(la_c, h)) * tl.load(bdt_ptr + (row * L + j) * H + head, mask=old, other=0.0)
-                tl.store(fold_w_ptr + (pid_b * H + head) * LP + j, w)
-                tl.store(fold_decay_ptr + pid_b * H + head, tl.exp(tl.sum(la_c, 0)))
+    if need:  # the refresh's per-token scalars of the group's heads, at this launch's shape for every preset
+        old = mine[:, None] & (j < h)[None, :]
+        at = (row * L + j[None, :]) * H + heads[:, None]  # [HG, LP]
+        la_c = tl.load(bla_ptr + at, mask=old, other=0.0)
+        k3 = j[None, None, :]
+        later = (k3 > j[None, :, None]) & (k3 < h)  # entries after j in the history
+        w = tl.exp(tl.sum(tl.where(later, la_c[:, None, :], 0.0), 2)) * tl.load(bdt_ptr + at, mask=old, other=0.0)
+        tl.store(fold_w_ptr + (pid_b * H + heads[:, None]) * LP + j[None, :], w, mask=mine[:, None])
+        tl.store(fold_decay_ptr + pid_b * H + heads, tl.exp(tl.sum(la_c, 1)), mask=mine)
     h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
     ck = tl.arange(0, DK)
     K = window_rows(bB_ptr, B_ptr, row, pid_b, h, group, G, ck, DK, T, L, LP)
