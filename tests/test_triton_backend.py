@@ -299,7 +299,7 @@ def test_step_shapes_follow_the_policy():
     assert launch.parse_shape("32x1s4n2r168") == dict(rows=32, warps=1, split=True, refresh_warps=4, stages=2,
                                                       maxnreg=168)
     with pytest.raises(ValueError, match="label"):
-        launch.parse_shape("32x1s")
+        launch.parse_shape("32x1q")
 
 
 def test_triton_accept_matches_torch_accept():
