@@ -200,7 +200,9 @@ class _RowDrafter:
 
     def __call__(self, tokens, k):
         t = tokens.tolist()
-        ref = next(r for r in self.rows if r[:len(t)] == t)
+        ref = next((r for r in self.rows if r[:len(t)] == t), None)
+        if ref is None:  # the row left every greedy continuation (a deliberately broken run)
+            return []
         good = int(torch.randint(0, k + 1, (1,), generator=self.g))
         d = ref[len(t):len(t) + k]
         return d[:good] + [(x + 1) % VOCAB for x in d[good:]]
