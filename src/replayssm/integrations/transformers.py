@@ -362,6 +362,17 @@ class _Mamba2Adapter(_LayerAdapter):
         return Mamba2Cache(num_slots, m.num_heads, m.head_dim, m.ssm_state_size, ngroups=m.n_groups,
                            device=device, **o)
 
+    def recurrence(self, slots, x, dt, A, B, C, z, verify):
+        """The state-space step: ``rs.mamba2_decode`` (x [b, H, P], dt [b, H] raw, B, C [b, G, N],
+        z [b, H, P] or None) or, verifying, ``rs.mamba2_verify`` (a T axis after b). Returns y fp32
+        shaped as x."""
+        m = self.module
+        kw = dict(D=m.D, z=z, dt_bias=m.dt_bias, dt_softplus=True, backend=self.owner.backend)
+        if verify:
+            return mamba2_verify(self.cache, slots, x, dt, A, B, C, **kw)
+        self.dirty = True
+        return mamba2_decode(self.cache, slots, x, dt, A, B, C, **kw)
+
     def run(self, hidden_states, hf_cache, verify):
         m, fam = self.module, self.family
         b, T, _ = hidden_states.shape
@@ -383,14 +394,8 @@ class _Mamba2Adapter(_LayerAdapter):
         z = None if normed else gate.reshape(*lead, H, P)
         A = -torch.exp(m.A_log.float())
         slots = self.slots(b, hidden_states.device)
-        kw = dict(D=m.D, z=z, dt_bias=m.dt_bias, dt_softplus=True, backend=self.owner.backend)
-        if verify:
-            y = mamba2_verify(self.cache, slots, x.reshape(b, T, H, P), dt.reshape(b, T, H), A,
-                              B.reshape(b, T, G, N), C.reshape(b, T, G, N), **kw)
-        else:
-            y = mamba2_decode(self.cache, slots, x.reshape(b, H, P), dt.reshape(b, H), A,
-                              B.reshape(b, G, N), C.reshape(b, G, N), **kw)
-            self.dirty = True
+        y = self.recurrence(slots, x.reshape(*lead, H, P), dt.reshape(*lead, H), A, B.reshape(*lead, G, N),
+                            C.reshape(*lead, G, N), z, verify)
         y = y.reshape(b, T, -1).to(dtype)
         if normed:
             y = m.norm(y, gate)
@@ -425,6 +430,16 @@ class _GDNAdapter(_LayerAdapter):
         z = m.in_proj_z(hidden_states).reshape(bsz, T, -1, m.head_v_dim)
         return mixed, z, m.in_proj_b(hidden_states), m.in_proj_a(hidden_states)
 
+    def recurrence(self, slots, q, k, v, g, beta, verify):
+        """The state-space step on q, k [b, T, HK, K] (not normalized), v [b, T, HV, V], g fp32 and
+        beta [b, T, HV]: ``rs.gdn_decode`` (T = 1) or, verifying, ``rs.gdn_verify``. Returns o fp32
+        [b, T, HV, V]."""
+        if verify:
+            return gdn_verify(self.cache, slots, q, k, v, g, beta, use_qk_l2norm=True, backend=self.owner.backend)
+        self.dirty = True
+        return gdn_decode(self.cache, slots, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
+                          use_qk_l2norm=True, backend=self.owner.backend)[:, None]
+
     def run(self, hidden_states, hf_cache, verify):
         m = self.module
         bsz, T, _ = hidden_states.shape
@@ -437,12 +452,7 @@ class _GDNAdapter(_LayerAdapter):
         beta = bb.sigmoid()
         g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
         slots = self.slots(bsz, hidden_states.device)
-        if verify:
-            o = gdn_verify(self.cache, slots, q, k, v, g, beta, use_qk_l2norm=True, backend=self.owner.backend)
-        else:
-            o = gdn_decode(self.cache, slots, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
-                           use_qk_l2norm=True, backend=self.owner.backend)[:, None]
-            self.dirty = True
+        o = self.recurrence(slots, q, k, v, g, beta, verify)
         o = o.to(q.dtype).reshape(-1, m.head_v_dim)
         o = m.norm(o, z.reshape(-1, m.head_v_dim))
         return m.out_proj(o.reshape(bsz, T, -1))
