@@ -187,6 +187,32 @@ def test_family_differences_have_teeth():
     assert _max_logit_diff(ref, broken) > 5 * LOGIT_ATOL
 
 
+@pytest.mark.parametrize("name", ["falcon_h1", "zamba2"])
+def test_family_state_written_back(name):
+    """Hybrid cache layers (attention and Mamba-2 state in one): decode 10 tokens through ReplaySSM,
+    continue the same cache with a stock 4-token forward, then unpatch and decode stock: every logit
+    is the all-stock run's."""
+    model = model_of(name)
+    from transformers import DynamicCache
+    ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(6)).to(DEVICE)
+
+    def run(patched):
+        cache = DynamicCache(config=model.config)
+        p = rst.patch(model, window=4, max_draft=4) if patched else None
+        out = [model(input_ids=ids[:, :6], cache=cache, use_cache=True).logits[0, -1]]
+        for t in range(6, 16):
+            out.append(model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1])
+        out.append(model(input_ids=ids[:, 16:20], cache=cache, use_cache=True).logits[0, -1])
+        if p is not None:
+            p.unpatch()
+        for t in range(3):
+            out.append(model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1])
+        return torch.stack(out)
+
+    with torch.no_grad():
+        assert (run(False) - run(True)).abs().max().item() <= LOGIT_ATOL
+
+
 # ---------------------------------------------------------------------------------------------
 # batched speculative generation
 # ---------------------------------------------------------------------------------------------
