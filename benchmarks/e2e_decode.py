@@ -389,7 +389,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=None, help="vocabulary (default 8192; tiny 99)")
     ap.add_argument("--check-steps", type=int, default=None,
                     help="eager steps compared with stock before timing (default: window + 4, past one refresh)")
-    ap.add_argument("--budget-s", type=float, default=220.0, help="skip what is left after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=200.0, help="skip what is left after this many seconds")
     args = ap.parse_args(argv)
     tiny = args.tiny
     device = "cpu" if tiny else "cuda"
@@ -420,14 +420,14 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
 
+    models = {}
     for name in args.models.split(","):
-        if time.time() - t0 > args.budget_s:
-            report["rows"].append({"model": name, "batch": 0, "path": "-", "error": "skipped: over --budget-s"})
-            continue
-        model = build_model(name, tiny, args.vocab, args.prompt, device, dtype)
-        report["models"][name] = describe(model)
+        models[name] = build_model(name, tiny, args.vocab, args.prompt, device, dtype)
+        report["models"][name] = describe(models[name])
         print(f"== {name}: {report['models'][name]} [{time.time() - t0:.0f}s]", flush=True)
-        for batch in batches:
+    # batches outermost: a run cut short by --budget-s still has the first batch of every model
+    for batch in batches:
+        for name, model in models.items():
             ref_logits = {}
             for path in ["stock"] + [p for p in paths if p != "stock"] + ["no_ssm"]:
                 row = {"model": name, "batch": batch, "path": path}
@@ -443,9 +443,6 @@ def main(argv=None) -> int:
                         traceback.print_exc()
                 report["rows"].append(row)
                 save()
-        del model
-        if device == "cuda":
-            torch.cuda.empty_cache()
     save()
     print(table(report["rows"]))
     print(f"[{time.time() - t0:.0f}s] wrote {args.out}")
