@@ -604,9 +604,9 @@ def patch(model, precision="s32_rs", window=16, max_draft=8, buffer_dtype=torch.
     max_draft: the most tokens one verify may carry (``speculative_generate`` needs num_draft + 1);
     buffer_dtype: dtype of the replay buffer's large fields; seed: stochastic-rounding seed;
     backend: None (Triton on CUDA when available, else PyTorch), "torch" or "triton".
-    check_values: run the value checks of every ReplaySSM call (slot ids, pending verifies, accept
-    counts, decays); they synchronize with the device, so turn them off to capture decode steps in
-    a CUDA graph.
+    check_values: run the value checks of every ReplaySSM decode, verify and accept (slot ids,
+    pending verifies, accept counts, decays); they synchronize with the device, so turn them off
+    to capture decode steps in a CUDA graph.
     Returns a ``ReplayPatch``; use it as a context manager or call ``unpatch()``.
     """
     return ReplayPatch(model, precision=precision, window=window, max_draft=max_draft,
