@@ -209,6 +209,7 @@ class Decoder:
         self.lengths = [layer.cumulative_length for layer in self.cache.layers if hasattr(layer, "cumulative_length")]
         self.len0 = [t.clone() for t in self.lengths]
         self.logits = None
+        self.graph = None
 
     def rewind(self):
         """Back to the first decode position (positions and the KV caches' fill; the state-space
@@ -222,43 +223,58 @@ class Decoder:
         self.tok.copy_(self.logits[:, -1:].argmax(-1))
         self.pos.add_(1)
 
+    def _capture(self, steps):
+        """One CUDA graph of ``steps`` steps that starts by rewinding; returns its replay."""
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm-up (Triton compiles, cuBLAS handles) outside the graph
+            self.rewind()
+            for _ in range(steps + 2):
+                self.step()
+        torch.cuda.current_stream().wait_stream(s)
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.rewind()
+            for _ in range(steps):
+                self.step()
+        for _ in range(3):
+            self.graph.replay()
+        torch.cuda.synchronize()
+        return self.graph.replay
+
     @torch.no_grad()
     def time(self, steps, reps, graph, detect=False):
-        """(median, spread) seconds per step over ``reps`` runs of ``steps`` steps (one graph)."""
-        hits = []
+        """(median, spread) seconds per step over ``reps`` runs of ``steps`` steps, whether a graph
+        ran them, why not (a capture error; the steps are then timed eagerly), host syncs seen."""
+        hits, error = [], None
+
+        def eager():
+            self.rewind()
+            for _ in range(steps):
+                self.step()
+        run = eager
         if graph:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):  # warm-up (Triton compiles, cuBLAS handles) outside the graph
-                self.rewind()
-                for _ in range(steps + 2):
-                    self.step()
-            torch.cuda.current_stream().wait_stream(s)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                self.rewind()
-                for _ in range(steps):
-                    self.step()
-            run = g.replay
-            for _ in range(3):
-                run()
-            torch.cuda.synchronize()
-        else:
-            def run():
-                self.rewind()
-                for _ in range(steps):
-                    self.step()
-            if detect:
-                det = sync_detector()
-                with det:
-                    run()
-                hits = det.hits
-            else:
-                run()
+            try:
+                run = self._capture(steps)
+            except Exception as exc:  # report it and time the same steps without a graph
+                error, graph = f"{type(exc).__name__}: {exc}", False
+                self.graph = None
+                try:
+                    torch.cuda.synchronize()
+                except Exception:  # a failed capture may leave an error to collect; the eager run says more
+                    pass
+        if detect:
+            det = sync_detector()
+            with det:
+                eager()
+            hits = det.hits
+        cuda = self.tok.device.type == "cuda"
+        if cuda and not graph:
+            eager()  # warm-up
         times = []
         for _ in range(reps):
-            if graph:
+            if cuda:
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 a.record()
                 run()
@@ -269,10 +285,9 @@ class Decoder:
                 t0 = time.perf_counter()
                 run()
                 times.append((time.perf_counter() - t0) / steps)
-        if graph:
-            del g
+        self.graph = None
         q = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
-        return statistics.median(times), (q[2] - q[0]) / 2, hits
+        return statistics.median(times), (q[2] - q[0]) / 2, graph, error, hits
 
 
 def run_path(model, path, batch, args, device, ref_logits):
@@ -299,8 +314,10 @@ def run_path(model, path, batch, args, device, ref_logits):
             ref_logits[batch] = last
         elif path != "no_ssm" and batch in ref_logits:
             row["max_abs_dlogit_vs_stock"] = float((last - ref_logits[batch]).abs().max())
-        med, spread, hits = dec.time(args.steps, args.reps, graph, detect=not graph)
-        row.update(step_s=med, spread_s=spread, tokens_per_s=batch / med, graph=graph)
+        med, spread, graphed, error, hits = dec.time(args.steps, args.reps, graph, detect=not graph)
+        row.update(step_s=med, spread_s=spread, tokens_per_s=batch / med, graph=graphed)
+        if error:
+            row["graph_error"] = error
         if not graph:
             row["host_syncs"] = hits
         return row
@@ -365,12 +382,13 @@ def table(rows) -> str:
              f"{'vs conv':>7s} {'SSM share':>9s} {'|dlogit|':>9s}"]
     for r in sorted(rows, key=lambda r: (r["model"], r["batch"], PATHS.index(r["path"]) if r["path"] in PATHS else 9)):
         if "error" in r:
-            lines.append(f"{r['model']:11s} {r['batch']:5d} {r['path']:10s} FAILED: {r['error'][:80]}")
+            lines.append(f"{r['model']:11s} {r['batch']:5d} {r['path']:10s} {r['error'][:90]}")
             continue
         f = lambda k, fmt: format(r[k], fmt) if k in r else "-"  # noqa: E731
         lines.append(f"{r['model']:11s} {r['batch']:5d} {r['path']:10s} {r['step_s'] * 1e3:9.3f} "
                      f"{r['tokens_per_s']:10.0f} {f('speedup_vs_stock', '8.2f')} {f('speedup_vs_conv', '7.2f')} "
-                     f"{f('ssm_share', '9.2f')} {f('max_abs_dlogit_vs_stock', '9.1e')}")
+                     f"{f('ssm_share', '9.2f')} {f('max_abs_dlogit_vs_stock', '9.1e')}"
+                     + ("" if r.get("graph", True) or "host_syncs" in r else "  (no graph: see graph_error)"))
     return "\n".join(lines)
 
 
@@ -439,7 +457,7 @@ def main(argv=None) -> int:
                         print(f"{name} b={batch} {path}: {row['step_s'] * 1e3:.3f} ms/step "
                               f"[{time.time() - t0:.0f}s]", flush=True)
                     except Exception as exc:  # report and go on: one broken path must not hide the others
-                        row["error"] = f"{type(exc).__name__}: {exc}"
+                        row["error"] = f"FAILED {type(exc).__name__}: {exc}"
                         traceback.print_exc()
                 report["rows"].append(row)
                 save()
