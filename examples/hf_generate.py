@@ -2,8 +2,10 @@
 
     pip install 'replayssm[hf]'
     python examples/hf_generate.py                      # the tiny KJV-trained models in models/
-    python examples/hf_generate.py --model path/to/any/Mamba2-or-Qwen3.5-checkpoint --precision tp8_hi32
+    python examples/hf_generate.py --model path/to/checkpoint --precision tp8_hi32
 
+Any checkpoint of a supported family works (``replayssm.integrations.transformers.SUPPORTED_MODELS``:
+Mamba-2, Nemotron-H, FalconH1, Bamba, GraniteMoeHybrid, Zamba2, Qwen3.5, Qwen3.5-MoE, Qwen3-Next).
 Byte-level models (vocab 256, the ones in models/) take raw bytes; other models use their tokenizer.
 """
 from __future__ import annotations
@@ -23,6 +25,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = ("And God said, Let there be light: and there was light.\n"
           "And God saw the light, that it was good: and God divided the light from the darkness.\n"
           "And God said, Let")
+BATCH = ["And God said, Let there be a firmament in the midst of the waters, and let it divide",
+         "In the beginning God created the heaven and the earth.\nAnd the earth was",
+         "And the LORD said unto Moses,"]
 
 
 def load(path):
@@ -32,6 +37,17 @@ def load(path):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(path)
     return model, (lambda s: tok(s, return_tensors="pt").input_ids), tok.decode
+
+
+def left_padded(enc, texts, pad=0):
+    """(ids [b, n], attention_mask [b, n]) of the texts, padded on the left."""
+    rows = [enc(t)[0] for t in texts]
+    n = max(len(r) for r in rows)
+    ids = torch.full((len(rows), n), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, n - len(r):], mask[i, n - len(r):] = r, 1
+    return ids, mask
 
 
 def main():
@@ -71,7 +87,17 @@ def main():
         print(f"speculative == greedy: {torch.equal(spec, stock)}; acceptance {st.acceptance_rate:.2f}, "
               f"{st.tokens_per_step:.2f} tokens per step ({st.steps} steps)")
 
-        # 3. teacher-forced agreement of the presets with the fp32 stock path
+        # 3. the same, batched: prompts of different lengths (left padding), rows accepting different
+        # numbers of drafts per step; each row is what greedy generate gives it
+        bids, bmask = left_padded(enc, BATCH)
+        bkw = dict(max_new_tokens=args.new_tokens // 2, do_sample=False, attention_mask=bmask, pad_token_id=0)
+        bstock = model.generate(bids, **bkw)
+        bspec, bst = speculative_generate(model, bids, attention_mask=bmask, drafter="ngram", num_draft=4,
+                                          max_new_tokens=args.new_tokens // 2, precision=args.precision)
+        print(f"batched speculative (3 rows) == batched greedy: {torch.equal(bspec, bstock)}; acceptance "
+              f"{bst.acceptance_rate:.2f}, {bst.tokens_per_step:.2f} tokens per row per step")
+
+        # 4. teacher-forced agreement of the presets with the fp32 stock path
         held = os.path.join(ROOT, "models", "kjv_heldout.txt")
         if model.config.vocab_size == 256 and os.path.exists(held):
             text = torch.tensor([list(open(held, "rb").read()[:512])])

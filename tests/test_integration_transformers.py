@@ -1,5 +1,6 @@
 """The transformers integration: patch / unpatch, greedy parity, batch with padding, speculative
-generation (n-gram and random drafters, rejection paths), clear errors for unsupported things.
+generation (n-gram and random drafters, rejection paths; batched, with per-row acceptance), clear
+errors for unsupported things. The Mamba-2 hybrid families: ``test_integration_families``.
 
 Tiny random-weight configs in fp32 on CPU. The oracle is stock transformers (its conventional
 per-token state update), never the code under test.
@@ -13,6 +14,7 @@ record the measured figure.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -94,12 +96,12 @@ def model_of(name):
     return _cache[name]
 
 
-def _greedy(model, ids, attention_mask=None, n=NEW_TOKENS):
+def _greedy(model, ids, attention_mask=None, n=NEW_TOKENS, eos=None):
     ids = ids.to(DEVICE)
     attention_mask = torch.ones_like(ids) if attention_mask is None else attention_mask.to(DEVICE)
     return model.generate(ids, attention_mask=attention_mask, max_new_tokens=n, do_sample=False,
                           output_scores=True, return_dict_in_generate=True, pad_token_id=0,
-                          eos_token_id=None)
+                          eos_token_id=eos)
 
 
 def _padded_batch():
@@ -293,6 +295,106 @@ def test_speculative_with_existing_patch_and_eos():
     assert torch.equal(out[0], ref[:stop])
 
 
+class _RowDrafter:
+    """Right for a random number of tokens (0 .. k) of the row's greedy continuation, then wrong."""
+
+    def __init__(self, reference_rows, seed=0):
+        self.rows = reference_rows
+        self.g = torch.Generator().manual_seed(seed)
+
+    def __call__(self, tokens, k):
+        t = tokens.tolist()
+        ref = next((r for r in self.rows if r[:len(t)] == t), None)
+        if ref is None:  # the row left every greedy continuation (a deliberately broken run)
+            return []
+        good = int(torch.randint(0, k + 1, (1,), generator=self.g))
+        d = ref[len(t):len(t) + k]
+        return d[:good] + [(x + 1) % VOCAB for x in d[good:]]
+
+
+def _batched_prompts():
+    """3 repetitive prompts (n-gram drafts exist), rows 1 and 2 left-padded by 4 and 7."""
+    base = torch.randint(3, VOCAB, (3, 7), generator=torch.Generator().manual_seed(11))
+    ids = torch.cat([base, base], 1)
+    mask = torch.ones_like(ids)
+    ids[1, :4], mask[1, :4] = 0, 0
+    ids[2, :7], mask[2, :7] = 0, 0
+    return ids, mask
+
+
+def _early_eos(continuations):
+    """A token some row generates first at step 6 .. 30 while another row reaches it later or never."""
+    first = [{} for _ in continuations]
+    for r, seq in enumerate(continuations):
+        for i, t in enumerate(seq):
+            first[r].setdefault(t, i)
+    for f in first:
+        for t, i in sorted(f.items(), key=lambda kv: kv[1]):
+            if 6 <= i <= 30 and any(g.get(t, 10**9) > i + 2 for g in first):
+                return t
+    raise AssertionError("no usable eos token")
+
+
+def _unpadded_rows(seqs, mask):
+    n = mask.shape[1]
+    return [s[:n][mask[r] == 1].tolist() + s[n:].tolist() for r, s in enumerate(seqs.cpu())]
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("drafter", ["rows", "ngram"])
+def test_batched_speculative_matches_greedy(name, drafter):
+    """Batch of 3 with left padding: rows draft and accept different counts in the same step, and
+    (with the row drafter) one row stops at eos long before the others."""
+    model = model_of(name)
+    ids, mask = _batched_prompts()
+    free = _greedy(model, ids, mask, n=40).sequences
+    eos = _early_eos(free[:, ids.shape[1]:].tolist()) if drafter == "rows" else None
+    ref = _greedy(model, ids, mask, n=40, eos=eos).sequences
+    d = _RowDrafter(_unpadded_rows(free, mask)) if drafter == "rows" else "ngram"
+    out, st = speculative_generate(model, ids, attention_mask=mask, drafter=d, num_draft=4, max_new_tokens=40,
+                                   eos_token_id=eos)
+    assert torch.equal(out, ref)
+    print(f"{name}/{drafter}: {st.as_dict()}")
+    assert st.verify_steps > 0
+    if drafter == "rows":
+        assert {0, 4} <= set(st.accepted_per_step)
+        assert len(set(st.row_new_tokens)) > 1  # the rows stopped at different lengths
+
+
+def test_batched_speculative_per_row_acceptance_has_teeth():
+    """Per-row accept counts and masking the positions a row rejected (while another row kept them)
+    are what keep every row greedy: breaking either breaks the output."""
+    model = model_of("qwen3_5")
+    ids, mask = _batched_prompts()
+    free = _greedy(model, ids, mask, n=24).sequences
+
+    def run():
+        return speculative_generate(model, ids, attention_mask=mask, drafter=_RowDrafter(_unpadded_rows(free, mask)),
+                                    num_draft=4, max_new_tokens=24)[0]
+
+    assert torch.equal(run(), free)
+    orig = rst.ReplayPatch.accept  # 1. every row commits the largest count
+    rst.ReplayPatch.accept = lambda self, n: orig(self, torch.as_tensor(n).max().expand(torch.as_tensor(n).shape))
+    try:
+        assert not torch.equal(run(), free)
+    finally:
+        rst.ReplayPatch.accept = orig
+    stock_forward = model.forward  # 2. generated positions are never masked
+
+    @functools.wraps(stock_forward)
+    def unmasked(*args, attention_mask=None, **kwargs):
+        if attention_mask is not None and attention_mask.shape[1] > ids.shape[1]:
+            attention_mask = attention_mask.clone()
+            attention_mask[:, ids.shape[1]:] = 1
+        return stock_forward(*args, attention_mask=attention_mask, **kwargs)
+
+    model.forward = unmasked
+    try:
+        assert not torch.equal(run(), free)
+    finally:
+        del model.forward
+
+
 def test_ngram_drafter():
     d = NGramDrafter(max_ngram=3)
     assert d(torch.tensor([5, 6, 7, 8, 9, 5, 6, 7]), 3) == [8, 9, 5]
@@ -325,8 +427,10 @@ def test_unsupported_models_and_options():
             model.generate(ids, use_cache=False, max_new_tokens=3)
         with pytest.raises(rst.ReplaySSMUnsupported, match="speculative"):
             model.generate(ids, prompt_lookup_num_tokens=3, max_new_tokens=3)
-    with pytest.raises(rst.ReplaySSMUnsupported, match="batch size 1"):
-        speculative_generate(model, torch.randint(3, VOCAB, (2, 5)).to(DEVICE))
+    with pytest.raises(ValueError, match="padding on the left"):
+        bad = torch.ones(2, 5, dtype=torch.long)
+        bad[0, -1] = 0  # right padding
+        speculative_generate(model, torch.randint(3, VOCAB, (2, 5)).to(DEVICE), attention_mask=bad.to(DEVICE))
     with pytest.raises(ValueError, match="max_draft"):
         rst.patch(model, window=4, max_draft=8)
     with rst.patch(model, max_draft=2):

@@ -6,11 +6,18 @@
 
 Supported models (transformers ``>=5.24,<5.25``, the range that is tested):
 
-- ``Mamba2ForCausalLM`` (every layer is a ``Mamba2Mixer``);
+- Mamba-2 and the Mamba-2 hybrids: ``Mamba2ForCausalLM`` (``Mamba2Mixer``), ``NemotronHForCausalLM``
+  (``NemotronHMamba2Mixer``), ``FalconH1ForCausalLM`` (``FalconH1Mixer``, beside attention in every
+  layer), ``BambaForCausalLM`` (``BambaMixer``), ``GraniteMoeHybridForCausalLM``
+  (``GraniteMoeHybridMambaLayer``) and ``Zamba2ForCausalLM`` (``Zamba2MambaMixer``, with its shared
+  attention blocks). One adapter serves every Mamba-2 mixer; what the classes do differently
+  (FalconH1's muP multipliers and optional gated RMSNorm) is stated once, in ``MAMBA2_MIXERS``.
 - Qwen3.5 (``Qwen3_5ForCausalLM``, model_type ``qwen3_5_text``), Qwen3.5-MoE
   (``Qwen3_5MoeForCausalLM``) and Qwen3-Next (``Qwen3NextForCausalLM``): Gated DeltaNet layers
   (``Qwen3_5GatedDeltaNet`` / ``Qwen3_5MoeGatedDeltaNet`` / ``Qwen3NextGatedDeltaNet``)
-  interleaved with full-attention layers, which are left alone.
+  interleaved with full-attention layers.
+
+Attention, MLP and MoE layers always stay with transformers.
 
 What the patch does, per state-space layer (one ReplaySSM cache per layer, one slot per batch row):
 
@@ -31,7 +38,9 @@ What the patch does, per state-space layer (one ReplaySSM cache per layer, one s
   and the convolution states (the last d_conv inputs of the committed position).
 
 Unsupported things raise ``ReplaySSMUnsupported`` (never a silent fall back to the stock path):
-a model with no supported layer, a recurrent-mixer class that this module does not know, beam
+a model with no supported layer, a recurrent-mixer class that this module does not know, a
+Mamba-2 mixer variant the adapter would not reproduce (the message names the attribute: a
+per-channel ``D``, ``n_groups`` not dividing the heads, ...), beam
 search / HF assisted generation / prompt lookup inside ``generate`` (use
 ``speculative_generate``), a transformers cache that records its past (``activate_past_recording``).
 """
@@ -40,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import types
 import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -58,36 +68,97 @@ from ..mamba2.ops import mamba2_decode, mamba2_verify
 
 TESTED_TRANSFORMERS = ">=5.24,<5.25"
 
-__all__ = ["ReplaySSMUnsupported", "ReplayPatch", "patch", "unpatch", "TESTED_TRANSFORMERS"]
+#: The causal LMs whose state-space layers this integration decodes (every one is tested).
+SUPPORTED_MODELS = ("Mamba2ForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM", "BambaForCausalLM",
+                    "GraniteMoeHybridForCausalLM", "Zamba2ForCausalLM", "Qwen3_5ForCausalLM",
+                    "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
+
+__all__ = ["ReplaySSMUnsupported", "ReplayPatch", "patch", "unpatch", "get_patch", "Mamba2Family",
+           "MAMBA2_MIXERS", "GDN_LAYERS", "SUPPORTED_MODELS", "TESTED_TRANSFORMERS"]
 
 
 class ReplaySSMUnsupported(NotImplementedError):
     """A model, layer type or generation option that the ReplaySSM integration does not support."""
 
 
-def _supported_classes():
-    """(Mamba-2 mixer classes, GDN layer classes) available in this transformers install."""
-    mamba, gdn = [], []
+# ---------------------------------------------------------------------------------------------
+# the Mamba-2 mixers of transformers, and what each does differently in its decode step
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Mamba2Family:
+    """How one transformers Mamba-2 mixer class differs from ``Mamba2Mixer`` in its decode step.
+
+    Every class listed in ``MAMBA2_MIXERS`` has the attributes ``num_heads``, ``head_dim``,
+    ``ssm_state_size``, ``n_groups``, ``intermediate_size``, ``conv_dim``, ``in_proj``, ``conv1d``,
+    ``activation``, ``dt_bias`` [H], ``A_log`` [H], ``D`` [H], ``norm`` and ``out_proj``, and computes
+    one decode token as
+
+        proj = in_proj(h * in_multiplier) * proj_multiplier;  gate, xBC, dt = split(proj)
+        x, B, C = split(act(causal_conv(xBC)));  dt = softplus(dt + dt_bias)  (never clamped)
+        y = S q + D x  (the recurrence);  y = norm(y, gate)  or, without a norm, y * silu(gate)
+        out = out_proj(y)
+
+    What differs between the classes is named here and nowhere else:
+
+    in_multiplier: attribute, a scalar applied to the hidden states before ``in_proj``.
+    proj_multiplier: attribute, a [proj] vector applied to ``in_proj``'s output (muP).
+    norm_flag: attribute; when false the layer has no gated RMSNorm (``norm`` is the identity)
+        and the gate multiplies the recurrence's output as ``silu(gate)`` (the scan's ``z``).
+
+    Common to all, so not listed: ``n_groups`` (B, C shared by num_heads / n_groups heads each),
+    a conv bias or none (``use_conv_bias``; Zamba2 always has one), the gated RMSNorm's own
+    variant (group size intermediate / n_groups; FalconH1's ``norm_before_gate``), which this
+    integration calls as the layer's own module, and ``time_step_limit``: transformers clamps dt
+    to it only in the chunked prefill scan, never in the decode step (nor does mamba_ssm's
+    ``selective_state_update``), so ReplaySSM decode and verify do not clamp either. Prefill,
+    chunked or not, runs the stock path.
+    """
+
+    in_multiplier: str | None = None
+    proj_multiplier: str | None = None
+    norm_flag: str | None = None
+
+
+#: transformers module -> (mixer class name, its differences). Checked against transformers 5.24.
+MAMBA2_MIXERS = {
+    "mamba2": ("Mamba2Mixer", Mamba2Family()),
+    "nemotron_h": ("NemotronHMamba2Mixer", Mamba2Family()),
+    "bamba": ("BambaMixer", Mamba2Family()),
+    "granitemoehybrid": ("GraniteMoeHybridMambaLayer", Mamba2Family()),
+    "zamba2": ("Zamba2MambaMixer", Mamba2Family()),
+    "falcon_h1": ("FalconH1Mixer", Mamba2Family(in_multiplier="ssm_in_multiplier",
+                                                 proj_multiplier="mup_vector", norm_flag="mamba_rms_norm")),
+}
+
+#: transformers module -> Gated DeltaNet layer class name.
+GDN_LAYERS = {"qwen3_5": "Qwen3_5GatedDeltaNet", "qwen3_next": "Qwen3NextGatedDeltaNet",
+              "qwen3_5_moe": "Qwen3_5MoeGatedDeltaNet"}
+
+
+def _import_class(mod: str, name: str):
     try:
-        from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer
-        mamba.append(Mamba2Mixer)
-    except ImportError:  # pragma: no cover
-        pass
-    for mod, name in (("qwen3_5", "Qwen3_5GatedDeltaNet"), ("qwen3_next", "Qwen3NextGatedDeltaNet"),
-                      ("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet")):
-        try:
-            m = __import__(f"transformers.models.{mod}.modeling_{mod}", fromlist=[name])
-            if hasattr(m, name):
-                gdn.append(getattr(m, name))
-        except ImportError:  # pragma: no cover
-            pass
-    return tuple(mamba), tuple(gdn)
+        m = __import__(f"transformers.models.{mod}.modeling_{mod}", fromlist=[name])
+    except ImportError:  # pragma: no cover - a transformers build without that model
+        return None
+    return getattr(m, name, None)
+
+
+def _supported_classes():
+    """({Mamba-2 mixer class: Mamba2Family}, (GDN layer classes)) available in this transformers."""
+    mamba = {}
+    for mod, (name, fam) in MAMBA2_MIXERS.items():
+        cls = _import_class(mod, name)
+        if cls is not None:
+            mamba[cls] = fam
+    gdn = tuple(c for c in (_import_class(mod, name) for mod, name in GDN_LAYERS.items()) if c is not None)
+    return mamba, gdn
 
 
 def _looks_recurrent(module) -> bool:
     """Class names of recurrent token mixers that this integration does not handle."""
     n = type(module).__name__
-    return (("Mamba" in n and "Mixer" in n) or "GatedDeltaNet" in n or n.endswith("LinearAttention")
+    return (("Mamba" in n and (n.endswith("Mixer") or n.endswith("MambaLayer"))) or "GatedDeltaNet" in n
+            or n.endswith("LinearAttention")
             or "DeltaNet" in n or n.endswith("ShortConv"))
 
 
@@ -169,6 +240,7 @@ class _LayerAdapter:
         b = rec.shape[0]
         if self.cache is None or self.cache.num_slots < b or self.cache.device != rec.device:
             self.cache = self._new_cache(max(b, 1), rec.device)
+            self.cache.check_values = self.owner.check_values
         self.batch = b
         self.cache.load_state(self.slots(b, rec.device), self._to_replay(rec).contiguous())
         self.hf_ref = weakref.ref(hf_cache)
@@ -250,33 +322,83 @@ class _LayerAdapter:
 class _Mamba2Adapter(_LayerAdapter):
     kind = "mamba2"
 
+    def __init__(self, owner, module, family: Mamba2Family):
+        super().__init__(owner, module)
+        self.family = family
+        self._validate()
+
+    def _unsupported(self, attr, why):
+        raise ReplaySSMUnsupported(f"{type(self.module).__name__} (layer {self.layer_idx}): {attr} {why}")
+
+    def _validate(self):
+        """Refuse, naming the attribute, any variant whose decode step this adapter would not reproduce."""
+        m, fam = self.module, self.family
+        for attr in ("num_heads", "head_dim", "ssm_state_size", "n_groups", "intermediate_size", "conv_dim",
+                     "in_proj", "conv1d", "dt_bias", "A_log", "D", "norm", "out_proj", "activation"):
+            if not hasattr(m, attr):
+                self._unsupported(attr, "is missing")
+        H, P, G, N = m.num_heads, m.head_dim, m.n_groups, m.ssm_state_size
+        if H * P != m.intermediate_size:
+            self._unsupported("head_dim", f"* num_heads = {H * P} != intermediate_size {m.intermediate_size}")
+        if G < 1 or H % G:
+            self._unsupported("n_groups", f"= {G} does not divide num_heads = {H}")
+        if m.conv_dim != m.intermediate_size + 2 * G * N:
+            self._unsupported("conv_dim", f"= {m.conv_dim} is not intermediate_size + 2 * n_groups * ssm_state_size")
+        for attr in ("D", "A_log", "dt_bias"):  # per head; a per-channel D ([H * P]) is not supported
+            shape = tuple(getattr(m, attr).shape)
+            if shape != (H,):
+                self._unsupported(attr, f"has shape {shape}; only one value per head ({H},) is supported")
+        conv = m.conv1d
+        if conv.groups != m.conv_dim or conv.in_channels != m.conv_dim or conv.out_channels != m.conv_dim:
+            self._unsupported("conv1d", "is not a depthwise convolution over conv_dim channels")
+        if m.activation is not None and m.activation not in ACT2FN:
+            self._unsupported("activation", f"= {m.activation!r} is not an activation transformers knows")
+        for attr in (fam.in_multiplier, fam.proj_multiplier, fam.norm_flag):
+            if attr is not None and not hasattr(m, attr):
+                self._unsupported(attr, "is missing")
+
     def _new_cache(self, num_slots, device):
         m, o = self.module, self.owner.options
         return Mamba2Cache(num_slots, m.num_heads, m.head_dim, m.ssm_state_size, ngroups=m.n_groups,
                            device=device, **o)
 
-    def run(self, hidden_states, hf_cache, verify):
+    def recurrence(self, slots, x, dt, A, B, C, z, verify):
+        """The state-space step: ``rs.mamba2_decode`` (x [b, H, P], dt [b, H] raw, B, C [b, G, N],
+        z [b, H, P] or None) or, verifying, ``rs.mamba2_verify`` (a T axis after b). Returns y fp32
+        shaped as x."""
         m = self.module
+        kw = dict(D=m.D, z=z, dt_bias=m.dt_bias, dt_softplus=True, backend=self.owner.backend)
+        if verify:
+            return mamba2_verify(self.cache, slots, x, dt, A, B, C, **kw)
+        self.dirty = True
+        return mamba2_decode(self.cache, slots, x, dt, A, B, C, **kw)
+
+    def run(self, hidden_states, hf_cache, verify):
+        m, fam = self.module, self.family
         b, T, _ = hidden_states.shape
         dtype = hidden_states.dtype
+        if fam.in_multiplier is not None:
+            hidden_states = hidden_states * getattr(m, fam.in_multiplier)
         proj = m.in_proj(hidden_states)
+        if fam.proj_multiplier is not None:
+            proj = proj * getattr(m, fam.proj_multiplier)
         gate, xBC, dt = proj.split([m.intermediate_size, m.conv_dim, m.num_heads], dim=-1)
         xBC = self.conv(xBC.transpose(1, 2), hf_cache, verify).transpose(1, 2)
         x, B, C = torch.split(xBC, [m.intermediate_size, m.n_groups * m.ssm_state_size,
                                     m.n_groups * m.ssm_state_size], dim=-1)
         H, P, G, N = m.num_heads, m.head_dim, m.n_groups, m.ssm_state_size
+        normed = fam.norm_flag is None or bool(getattr(m, fam.norm_flag))
+        # with a gated RMSNorm the gate goes to the norm (the stock scan gets z=None); without one it is
+        # the scan's z: y * silu(gate)
+        lead = (b, T) if verify else (b,)
+        z = None if normed else gate.reshape(*lead, H, P)
         A = -torch.exp(m.A_log.float())
         slots = self.slots(b, hidden_states.device)
-        kw = dict(D=m.D, z=None, dt_bias=m.dt_bias, dt_softplus=True, backend=self.owner.backend)
-        if verify:
-            y = mamba2_verify(self.cache, slots, x.reshape(b, T, H, P), dt.reshape(b, T, H), A,
-                              B.reshape(b, T, G, N), C.reshape(b, T, G, N), **kw)
-        else:
-            y = mamba2_decode(self.cache, slots, x.reshape(b, H, P), dt.reshape(b, H), A,
-                              B.reshape(b, G, N), C.reshape(b, G, N), **kw)
-            self.dirty = True
-        # the block's gated RMSNorm takes the gate (stock passes z=None to the scan, too)
-        y = m.norm(y.reshape(b, T, -1).to(dtype), gate)
+        y = self.recurrence(slots, x.reshape(*lead, H, P), dt.reshape(*lead, H), A, B.reshape(*lead, G, N),
+                            C.reshape(*lead, G, N), z, verify)
+        y = y.reshape(b, T, -1).to(dtype)
+        if normed:
+            y = m.norm(y, gate)
         return m.out_proj(y.to(dtype))
 
 
@@ -308,6 +430,16 @@ class _GDNAdapter(_LayerAdapter):
         z = m.in_proj_z(hidden_states).reshape(bsz, T, -1, m.head_v_dim)
         return mixed, z, m.in_proj_b(hidden_states), m.in_proj_a(hidden_states)
 
+    def recurrence(self, slots, q, k, v, g, beta, verify):
+        """The state-space step on q, k [b, T, HK, K] (not normalized), v [b, T, HV, V], g fp32 and
+        beta [b, T, HV]: ``rs.gdn_decode`` (T = 1) or, verifying, ``rs.gdn_verify``. Returns o fp32
+        [b, T, HV, V]."""
+        if verify:
+            return gdn_verify(self.cache, slots, q, k, v, g, beta, use_qk_l2norm=True, backend=self.owner.backend)
+        self.dirty = True
+        return gdn_decode(self.cache, slots, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
+                          use_qk_l2norm=True, backend=self.owner.backend)[:, None]
+
     def run(self, hidden_states, hf_cache, verify):
         m = self.module
         bsz, T, _ = hidden_states.shape
@@ -320,12 +452,7 @@ class _GDNAdapter(_LayerAdapter):
         beta = bb.sigmoid()
         g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
         slots = self.slots(bsz, hidden_states.device)
-        if verify:
-            o = gdn_verify(self.cache, slots, q, k, v, g, beta, use_qk_l2norm=True, backend=self.owner.backend)
-        else:
-            o = gdn_decode(self.cache, slots, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
-                           use_qk_l2norm=True, backend=self.owner.backend)[:, None]
-            self.dirty = True
+        o = self.recurrence(slots, q, k, v, g, beta, verify)
         o = o.to(q.dtype).reshape(-1, m.head_v_dim)
         o = m.norm(o, z.reshape(-1, m.head_v_dim))
         return m.out_proj(o.reshape(bsz, T, -1))
@@ -339,20 +466,24 @@ class ReplayPatch:
     it as a context manager). Create with ``patch(model, ...)``."""
 
     def __init__(self, model, *, precision="s32_rs", window=16, max_draft=8, buffer_dtype=torch.float32,
-                 seed=0, backend=None):
+                 seed=0, backend=None, check_values=True):
         if getattr(model, "_replayssm_patch", None) is not None:
             raise RuntimeError("this model is already patched by replayssm; unpatch it first")
         self.model = model
         self.options = dict(window=window, max_draft=max_draft, precision=precision,
                             buffer_dtype=buffer_dtype, seed=seed)
         self.backend = backend
+        self.check_values = check_values
         self.mode = "decode"
         self.adapters: list[_LayerAdapter] = []
         mamba_cls, gdn_cls = _supported_classes()
         unknown = []
         for name, mod in model.named_modules():
-            if mamba_cls and isinstance(mod, mamba_cls):
-                self.adapters.append(_Mamba2Adapter(self, mod))
+            fam = mamba_cls.get(type(mod))
+            if fam is None:
+                fam = next((f for c, f in mamba_cls.items() if isinstance(mod, c)), None)
+            if fam is not None:
+                self.adapters.append(_Mamba2Adapter(self, mod, fam))
             elif gdn_cls and isinstance(mod, gdn_cls):
                 self.adapters.append(_GDNAdapter(self, mod))
             elif _looks_recurrent(mod):
@@ -360,12 +491,11 @@ class ReplayPatch:
         if unknown:
             raise ReplaySSMUnsupported(
                 "ReplaySSM does not support these recurrent layers: " + ", ".join(unknown[:4])
-                + (" ..." if len(unknown) > 4 else "") + ". Supported: Mamba2Mixer, Qwen3.5 / "
-                "Qwen3.5-MoE / Qwen3-Next GatedDeltaNet.")
+                + (" ..." if len(unknown) > 4 else "") + ". Supported: "
+                + ", ".join(n for n, _ in MAMBA2_MIXERS.values()) + ", " + ", ".join(GDN_LAYERS.values()) + ".")
         if not self.adapters:
             raise ReplaySSMUnsupported(
-                f"{type(model).__name__} has no layer that ReplaySSM supports (Mamba2ForCausalLM, "
-                "Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3NextForCausalLM)")
+                f"{type(model).__name__} has no layer that ReplaySSM supports ({', '.join(SUPPORTED_MODELS)})")
         # validate the options once, on a 1-slot cache of the first layer (clear errors up front)
         self.adapters[0]._new_cache(1, "cpu")
         for ad in self.adapters:
@@ -467,17 +597,20 @@ class ReplayPatch:
 
 
 def patch(model, precision="s32_rs", window=16, max_draft=8, buffer_dtype=torch.float32, seed=0,
-          backend=None) -> ReplayPatch:
+          backend=None, check_values=True) -> ReplayPatch:
     """Route the decode steps of ``model``'s state-space layers through ReplaySSM.
 
     precision: a preset name (see ``rs.PRESETS``); window: L, tokens between checkpoint writes;
     max_draft: the most tokens one verify may carry (``speculative_generate`` needs num_draft + 1);
     buffer_dtype: dtype of the replay buffer's large fields; seed: stochastic-rounding seed;
     backend: None (Triton on CUDA when available, else PyTorch), "torch" or "triton".
+    check_values: run the value checks of every ReplaySSM decode, verify and accept (slot ids,
+    pending verifies, accept counts, decays); they synchronize with the device, so turn them off
+    to capture decode steps in a CUDA graph.
     Returns a ``ReplayPatch``; use it as a context manager or call ``unpatch()``.
     """
     return ReplayPatch(model, precision=precision, window=window, max_draft=max_draft,
-                       buffer_dtype=buffer_dtype, seed=seed, backend=backend)
+                       buffer_dtype=buffer_dtype, seed=seed, backend=backend, check_values=check_values)
 
 
 def unpatch(model) -> None:
