@@ -135,7 +135,11 @@ def main(argv=None):
                          "DIR/<arch>_<preset>_T<draft>_<kernel>.txt, to diff against another source tree's")
     ap.add_argument("--tuning", action="append", default=[], metavar="KEY=INT",
                     help="a launch.TUNING entry for every compile, e.g. pin=0 (repeatable)")
+    ap.add_argument("--batch", type=int, default=256,
+                    help="the batch whose default launches to compile (steps are recorded on two slots)")
     args = ap.parse_args(argv)
+    if args.batch >= launch.SPLIT_MIN_BATCH:
+        launch.SPLIT_MIN_BATCH = 1  # the two recorded slots take the launches of a large batch
     extra = {key: int(value) for key, _, value in (item.partition("=") for item in args.tuning)}
     launch.TUNING.update(extra)
     if not args.instructions:

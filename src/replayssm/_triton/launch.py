@@ -254,8 +254,15 @@ def _uses_nvfp4(cache) -> bool:
     return "nvfp4" in {cache.precision.anchor.name, cache.precision.read_format.name}
 
 
-def step_shape(cache, arch: str, T: int = 1) -> StepShape:
-    """The launch shape of a step of T tokens of ``cache`` (``SHAPES``, ``TUNING`` over it). Rows
+#: Smallest batch whose steps may refresh in a launch of their own (``StepShape.split``): below it a
+#: step is bound by launch latency, and a branch saves a launch (H200, GDN s32_rs, us per step,
+#: split -> branch: batch 1 7.9 -> 7.4, batch 32 76.2 -> 74.5).
+SPLIT_MIN_BATCH = 64
+
+
+def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> StepShape:
+    """The launch shape of a step of T tokens over ``batch`` rows of ``cache`` (``SHAPES``; the
+    refresh a branch below SPLIT_MIN_BATCH rows; ``TUNING`` over it). Rows
     are a multiple of FOLD_ROWS (whole NVFP4 global-scale blocks, which are 32-row blocks) or the
     head's dv when that is smaller; no products on tensor cores for an NVFP4 read copy."""
     fmt = cache.precision.read_format.name
@@ -263,6 +270,8 @@ def step_shape(cache, arch: str, T: int = 1) -> StepShape:
     for least, fields in SHAPES[(arch, fmt)]:
         if T >= least:
             found = BASE_SHAPE._replace(**fields)
+    if batch < SPLIT_MIN_BATCH:
+        found = found._replace(split=False)
     found = found._replace(**TUNING)
     rows = found.rows
     if cache.dv <= FOLD_ROWS or _uses_nvfp4(cache):

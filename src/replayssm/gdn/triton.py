@@ -76,51 +76,50 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, bb
                        qn_ptr, scores_ptr, tinv_ptr, decays_ptr, scale, SCRATCH, HK, HV,
                        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, RATIO: tl.constexpr,
                        SQUARINGS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
-    """Once per (batch row, value head); the first value head of each key head also: the T new
-    keys and queries prepared in fp32 (L2-normalized when NORM, as flash-linear-attention's l2norm,
-    queries times ``scale``) into kn, qn [b, T, HK, K] for the other launches, and
-    scores[b, kh, 0, s, j] = k_j . q_s, scores[b, kh, 1, s, j] = k_j . k_s over the entries of the
-    window (committed + new). The first program of a batch row copies its committed count into
-    ``cursors`` [b]. For a slot due to refresh, every program builds its value head's
+    """Once per (batch row, key head): the T new keys and queries prepared in fp32 (L2-normalized
+    when NORM, as flash-linear-attention's l2norm, queries times ``scale``) into kn, qn [b, T, HK, K]
+    for the other launches; the batch row's committed count into ``cursors`` [b]; then
+    scores[b, kh, 0, s, j] = k_j . q_s and scores[b, kh, 1, s, j] = k_j . k_s over the entries of
+    the window (committed + new). For a slot due to refresh, per value head of the key head:
     tinv[b, vh] = (I + M)^{-T} [LP, LP] and decays[b, vh] = (e^{c_j}, e^{g(j, h)}, e^{c_h} at 2, 0)."""
     after_previous_launch(PDL)
-    pid_b, vhead = tl.program_id(0), tl.program_id(1)
-    khead = vhead // RATIO
+    pid_b, khead = tl.program_id(0), tl.program_id(1)
     ck = tl.arange(0, DK)
-    j = tl.arange(0, LP)
+    for s in tl.static_range(T):
+        at = ((pid_b * T + s) * HK + khead) * DK + ck
+        k = tl.load(k_ptr + at).to(tl.float32)
+        q = tl.load(q_ptr + at).to(tl.float32)
+        if NORM:
+            k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+            q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
+        tl.store(kn_ptr + at, k)
+        tl.store(qn_ptr + at, q * scale)
+    tl.debug_barrier()  # the rows just written are read back by other threads of the program
     _, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
-    if vhead == 0:
+    if khead == 0:
         tl.store(cursors_ptr + pid_b, h)
+    j = tl.arange(0, LP)
     if need:  # the refresh's solve, at this launch's shape for every preset
         K_c = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :], mask=(j < h)[:, None],
                       other=0.0).to(tl.float32)
         gram = tl.dot(K_c, tl.trans(K_c), input_precision="tf32x3")  # k_j . k_i
-        X, ec, es, total = _residual_inverse(bg_ptr, bbeta_ptr, row, vhead, h, gram, HV, L, LP, SQUARINGS)
-        base = (pid_b * HV + vhead) * LP
-        tl.store(tinv_ptr + (base + j[None, :]) * LP + j[:, None], X)  # transposed: [i, j] = X[j, i]
-        tl.store(decays_ptr + (base * 3) + j, ec)
-        tl.store(decays_ptr + (base * 3) + LP + j, es)
-        tl.store(decays_ptr + (base * 3) + 2 * LP + j, tl.where(j == 0, total, 0.0))
-    if vhead % RATIO == 0:
-        for s in tl.static_range(T):
-            at = ((pid_b * T + s) * HK + khead) * DK + ck
-            k = tl.load(k_ptr + at).to(tl.float32)
-            q = tl.load(q_ptr + at).to(tl.float32)
-            if NORM:
-                k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
-                q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
-            tl.store(kn_ptr + at, k)
-            tl.store(qn_ptr + at, q * scale)
-        tl.debug_barrier()  # the rows just written are read back by other threads of the program
-        h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
-        K = window_rows(bk_ptr, kn_ptr, row, pid_b, h, khead, HK, ck, DK, T, L, LP)
-        for s in tl.static_range(T):
-            tok = pid_b * T + s
-            q = tl.load(qn_ptr + (tok * HK + khead) * DK + ck)
-            k = tl.load(kn_ptr + (tok * HK + khead) * DK + ck).to(bk_ptr.dtype.element_ty).to(tl.float32)
-            base = ((pid_b * HK + khead) * 2 * T + s) * LP
-            tl.store(scores_ptr + base + j, tl.sum(K * q[None, :], 1))
-            tl.store(scores_ptr + base + T * LP + j, tl.sum(K * k[None, :], 1))
+        for vv in tl.static_range(RATIO):
+            vhead = khead * RATIO + vv
+            X, ec, es, total = _residual_inverse(bg_ptr, bbeta_ptr, row, vhead, h, gram, HV, L, LP, SQUARINGS)
+            base = (pid_b * HV + vhead) * LP
+            tl.store(tinv_ptr + (base + j[None, :]) * LP + j[:, None], X)  # transposed: [i, j] = X[j, i]
+            tl.store(decays_ptr + (base * 3) + j, ec)
+            tl.store(decays_ptr + (base * 3) + LP + j, es)
+            tl.store(decays_ptr + (base * 3) + 2 * LP + j, tl.where(j == 0, total, 0.0))
+    h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
+    K = window_rows(bk_ptr, kn_ptr, row, pid_b, h, khead, HK, ck, DK, T, L, LP)
+    for s in tl.static_range(T):
+        tok = pid_b * T + s
+        q = tl.load(qn_ptr + (tok * HK + khead) * DK + ck)
+        k = tl.load(kn_ptr + (tok * HK + khead) * DK + ck).to(bk_ptr.dtype.element_ty).to(tl.float32)
+        base = ((pid_b * HK + khead) * 2 * T + s) * LP
+        tl.store(scores_ptr + base + j, tl.sum(K * q[None, :], 1))
+        tl.store(scores_ptr + base + T * LP + j, tl.sum(K * k[None, :], 1))
 
 
 @triton.jit
@@ -317,7 +316,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     dev = v.device
     anchor, read, consts = launch.format_args(cache)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
-    shape = launch.step_shape(cache, "gdn", T)
+    shape = launch.step_shape(cache, "gdn", T, b)
     buf = cache.buffer
     LP = launch.window_pad(cache)
     o = torch.empty(b, T, HV, V, dtype=torch.float32, device=dev)
@@ -327,7 +326,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     tinv = torch.empty(b, HV, LP, LP, dtype=torch.float32, device=dev)
     decays = torch.empty(b, HV, 3, LP, dtype=torch.float32, device=dev)
     cursors = torch.empty(b, dtype=cache.committed.dtype, device=dev)
-    launch.run(_gdn_scores_kernel, (b, HV), slots, cache.committed, cursors, buf["k"], buf["g"], buf["beta"], k, q,
+    launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], buf["g"], buf["beta"], k, q,
                kn, qn, scores, tinv, decays, float(scale), cache.scratch_row, HK, HV, T=T, L=cache.window, LP=LP,
                DK=K, RATIO=HV // HK, SQUARINGS=LP.bit_length() - 2, NORM=normalize)
     FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "gdn")

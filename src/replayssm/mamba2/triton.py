@@ -64,11 +64,11 @@ def _mamba2_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bB_ptr, bdt_ptr
     j = tl.arange(0, LP)
     if need:  # the refresh's per-token scalars of the group's heads, at this launch's shape for every preset
         old = mine[:, None] & (j < h)[None, :]
-        at = (row * L + j[None, :]) * H + heads[:, None]  # [HG, LP]
-        la_c = tl.load(bla_ptr + at, mask=old, other=0.0)
+        entry = (row * L + j[None, :]) * H + heads[:, None]  # [HG, LP]
+        la_c = tl.load(bla_ptr + entry, mask=old, other=0.0)
         k3 = j[None, None, :]
         later = (k3 > j[None, :, None]) & (k3 < h)  # entries after j in the history
-        w = tl.exp(tl.sum(tl.where(later, la_c[:, None, :], 0.0), 2)) * tl.load(bdt_ptr + at, mask=old, other=0.0)
+        w = tl.exp(tl.sum(tl.where(later, la_c[:, None, :], 0.0), 2)) * tl.load(bdt_ptr + entry, mask=old, other=0.0)
         tl.store(fold_w_ptr + (pid_b * H + heads[:, None]) * LP + j[None, :], w, mask=mine[:, None])
         tl.store(fold_decay_ptr + pid_b * H + heads, tl.exp(tl.sum(la_c, 1)), mask=mine)
     h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
@@ -230,7 +230,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
     z = None if z is None else z.contiguous()
     D = None if D is None else D.contiguous()
-    shape = launch.step_shape(cache, "mamba2", T)
+    shape = launch.step_shape(cache, "mamba2", T, b)
     buf = cache.buffer
     LP = launch.window_pad(cache)
     y = torch.empty(b, T, H, P, dtype=torch.float32, device=dev)
