@@ -7,8 +7,13 @@ import sys
 import pytest
 import torch
 
-from replayssm.bench import GEOMETRIES, Problem
+from replayssm.bench import Problem
 from replayssm.bench import cli as bench
+from replayssm.cli import UsageError
+from replayssm.geometry import GEOMETRIES as NAMED
+from replayssm.geometry import Geometry
+
+GEOMETRIES = {name: (g.arch, g.geometry) for name, g in NAMED.items() if g.arch}
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,7 +37,8 @@ def test_without_gpu_it_says_so_and_exits_nonzero(capsys):
     from replayssm.cli import main
 
     assert main(["bench"]) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and len(err.strip().splitlines()) == 1
 
 
 def test_kernel_profile_without_gpu_says_so_and_exits_nonzero():
@@ -46,11 +52,18 @@ def test_kernel_profile_without_gpu_says_so_and_exits_nonzero():
 
 
 def test_geometry_names_and_tuples():
-    assert bench.parse_geometry("qwen35-122b", "all") == GEOMETRIES["qwen35-122b"]
-    assert bench.parse_geometry("8,64,128,1", "mamba2") == ("mamba2", (8, 64, 128, 1))
+    """``bench --geometry`` reads H,P,N,G as ``run --geometry`` does (one table, one order)."""
+    import argparse
+
+    def plan(geometry, arch):
+        return bench.plan(argparse.Namespace(geometry=geometry, arch=arch))
+
+    assert plan("qwen35-122b", "all") == [GEOMETRIES["qwen35-122b"]] == [("gdn", Geometry(64, 128, 128, 16))]
+    assert plan("8,64,128,1", "mamba2") == [("mamba2", (8, 64, 128, 1))]
+    assert plan(None, "all") == [GEOMETRIES["nemotron3-super"], GEOMETRIES["qwen35-122b"]]
     for bad, arch in (("8,64,128", "mamba2"), ("8,64,128,1", "all"), ("nemotron3-super", "gdn"), ("x", "gdn")):
-        with pytest.raises(ValueError, match="geometry"):
-            bench.parse_geometry(bad, arch)
+        with pytest.raises(UsageError, match="geometry"):
+            plan(bad, arch)
 
 
 def test_traffic_model_against_the_formats():
@@ -89,7 +102,7 @@ def test_memory_report_per_sequence():
 def test_correctness_gate_passes_the_real_kernel_and_refuses_a_broken_one(arch):
     from replayssm.bench import measure, suite
 
-    dims = (4, 16, 32, 2) if arch == "mamba2" else (2, 4, 32, 16)
+    dims = (4, 16, 32, 2) if arch == "mamba2" else (4, 16, 32, 2)
     p = Problem(arch, dims, 4, 1)  # batch 4: at the first step the only active row is a pad
     _, rel, _ = measure.correctness(p, "s32_rs", "cpu", "torch", steps=18, rounds=2, T=2)
     assert rel <= measure.gate_tolerance("s32_rs")
@@ -102,41 +115,67 @@ def test_correctness_gate_passes_the_real_kernel_and_refuses_a_broken_one(arch):
     assert rel_broken > measure.gate_tolerance("s32_rs")
 
 
-def test_replot_merges_reports_without_a_gpu(tmp_path, capsys):
-    """--replot merges bench.json files (rows, gates, memory), fills in the accept rate of
-    speculative rows, lets a later measurement of the same row replace the earlier one, and
-    writes the merged bench.json (plots when matplotlib is there)."""
+def _bench_report(batch, draft, accept, us=8.0, ext=None, legacy=False):
+    """A bench.json with one conventional row and one s32_rs row (and an external baseline)."""
+    dims = [16, 64, 128, 128] if legacy else [64, 128, 128, 16]  # qwen35-122b, older GDN order first
+    base = dict(arch="gdn", dims=dims, window=16, draft=draft, batch=batch, mode="-", kernel="ours", us=10.0,
+                spread=0.1, bytes=8e6)
+    rows = [base, dict(base, kernel="s32_rs", mode="staggered", us=us, bytes=4e6, speedup_vs_ours=10.0 / us)]
+    if ext:
+        rows.append(dict(base, kernel="fla", us=ext))
+    rep = {"environment": {"gpu": "test GPU", "commit": "abc1234"}, "args": {"accept": accept, "batch": [batch]},
+           "copy_bandwidth": 4e12, "rows": rows, "memory": {}, "skipped": {},
+           "gate": [dict(arch="gdn", dims=dims, window=16, preset="s32_rs", max_abs=1e-7, rel=1e-7, state=1e-7,
+                         tolerance=1e-4, passed=True)]}
+    if not legacy:
+        rep["dims_order"] = "H,P,N,G"
+    return rep
+
+
+def test_report_merges_and_regenerates_without_a_gpu(tmp_path, capsys):
+    """``bench --report`` merges bench.json files (a later measurement of a row replaces the earlier
+    one; older files' GDN dims are read in their order), then writes the merged JSON, BENCHMARKS.md
+    and the README's headline table from them alone. Ratios are taken between rows of the merged
+    table: a conventional time measured again changes every ratio against it."""
     import json
 
-    def report(batch, draft, accept, us=8.0):
-        base = dict(arch="mamba2", dims=[8, 16, 32, 1], window=16, draft=draft, batch=batch, mode="-",
-                    kernel="ours", us=10.0, spread=0.1, bytes=8e6)
-        ours = dict(base, kernel="s32_rs", mode="staggered", us=us, bytes=4e6, speedup_vs_ours=10.0 / us)
-        return {"environment": {"gpu": "test"}, "args": {"accept": accept}, "copy_bandwidth": 4e12,
-                "rows": [base, ours], "gate": [{"passed": True}], "memory": {}, "skipped": {}}
-
     paths = []
-    runs = ((8, 0, "all", 8.0), (64, 0, "all", 8.0), (64, 4, "half", 8.0), (64, 0, "all", 5.0))  # the last: again
-    for i, (batch, draft, accept, us) in enumerate(runs):
+    runs = ((8, 0, "all", 8.0, 4.0, True), (256, 0, "all", 8.0, 12.0, True), (256, 4, "half", 8.0, None, False),
+            (256, 0, "all", 5.0, 12.0, False))  # the last measures batch 256 decode again
+    for i, (batch, draft, accept, us, ext, legacy) in enumerate(runs):
         paths.append(tmp_path / f"r{i}.json")
-        paths[-1].write_text(json.dumps(report(batch, draft, accept, us)))
+        paths[-1].write_text(json.dumps(_bench_report(batch, draft, accept, us, ext, legacy)))
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- headline table: generated by python -m replayssm.bench.report; do not edit -->\n"
+                      "old\n<!-- end of headline table -->\ntail\n")
     from replayssm.cli import main
 
-    assert main(["bench", "--replot", *map(str, paths), "--output", str(tmp_path / "merged")]) == 0
-    merged = json.loads((tmp_path / "merged" / "bench.json").read_text())
-    assert len(merged["rows"]) == 6 and len(merged["gate"]) == 4
+    out = tmp_path / "merged"
+    assert main(["bench", "--report", *map(str, paths), "--output", str(out), "--markdown",
+                 str(tmp_path / "B.md"), "--readme", str(readme)]) == 0
+    merged = json.loads((out / "bench.json").read_text())
+    assert len(merged["rows"]) == 8 and merged["dims_order"] == "H,P,N,G"
+    assert {tuple(r["dims"]) for r in merged["rows"]} == {(64, 128, 128, 16)}
     assert [r["accept"] for r in merged["rows"] if r["draft"]] == ["half", "half"]
-    assert merged["rows"][1]["tb_per_s"] == pytest.approx(4e6 / 8.0 / 1e6)
-    again = [r for r in merged["rows"] if r["batch"] == 64 and r["draft"] == 0 and r["kernel"] == "s32_rs"]
-    assert [r["us"] for r in again] == [5.0]
-    assert "s32_rs" in capsys.readouterr().out
+    again = [r for r in merged["rows"] if r["batch"] == 256 and r["draft"] == 0 and r["kernel"] == "s32_rs"]
+    assert [r["us"] for r in again] == [5.0] and again[0]["commit"] == "abc1234"
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith("tail\n") and "old" not in text
+    row = next(line for line in text.splitlines() if "`s32_rs`" in line)
+    cells = [c.strip() for c in row.split("|")]
+    assert cells[3:6] == ["5.0", "2.00", "2.40"]  # us, x conventional (10 / 5), x fla (12 / 5)
+    md = (tmp_path / "B.md").read_text()
+    assert "## Headline: batch 256" in md and "abc1234" in md and len(md.splitlines()) <= 300
+    # the report's input may be its own output: re-running on the merged file changes nothing
+    assert main(["bench", "--report", str(out / "bench.json"), "--output", str(out), "--markdown", "-",
+                 "--readme", "-"]) == 0
+    assert json.loads((out / "bench.json").read_text())["rows"] == merged["rows"]
+    capsys.readouterr()
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         return
-    drawn = sorted(p.name for p in (tmp_path / "merged").glob("*.png"))
-    # two batches: a batch curve; one window and one draft length: no curve to draw for those
-    assert drawn == ["bandwidth.png", "speedup_vs_batch.png"]
+    assert (out / "speedup_vs_batch.png").exists() and (out / "bandwidth.png").exists()
 
 
 def test_launch_shape_keeps_nvfp4_programs_on_whole_scale_blocks():
@@ -215,7 +254,7 @@ def test_read_precision_leaves_the_anchors_operations_unchanged(tmp_path, arch, 
     shared copy's refresh tile: that the tiles ``launch.REFRESH_SHAPES`` picks by format fold
     alike is a GPU check, refresh_bits.py --split-only). Unpinned
     (``launch.pin_vector_width``), GDN's token-loop fold follows the read copy's vector width and
-    must differ: the failure the H200 showed (BENCHMARKS.md, seventh session)."""
+    must differ: the failure measured on an H200, where the GDN anchors then differed by read format."""
     pytest.importorskip("triton")
     stdout = _compile_for_sm90(tmp_path, PTXAS_REPORT, "--anchor-ops", "--arch", arch, "--presets",
                                "s32_rs,tp16_hi32,tp8_hi32", "--tuning", f"pin_vector_width={int(pinned)}")
@@ -367,8 +406,8 @@ def test_refresh_shapes_by_read_format_and_draft_length():
 
 def test_mamba2_steps_never_load_before_the_refresh():
     """``launch.LOAD_ORDERS``: order 2 issues a step's loads before a fused refresh, and on the
-    H200 a fused Mamba-2 step then gave other output bits than the split launch (BENCHMARKS.md,
-    ninth session), so outputs would depend on the batch size. Mamba-2 refreshes inside the step
+    H200 a fused Mamba-2 step then gave other output bits than the split launch, so outputs would
+    depend on the batch size. Mamba-2 refreshes inside the step
     below ``SPLIT_MIN_BATCH``, so none of its table entries may take order 2; GDN, which always
     refreshes in a launch of its own, may."""
     pytest.importorskip("triton")
