@@ -449,6 +449,7 @@ def plots(t: Table, out: str) -> list:
                     ax.plot(*zip(*pts), ls="--", color="black", lw=1, label="conventional kernel (ours)")
             ax.axhline(1.0, color="gray", lw=0.8)
             ax.set_xscale("log", base=2)
+            ax.set_xticks(batches, [str(b) for b in batches])
             ax.set_xlabel("batch (sequences per step)")
             ax.set_ylabel(ylabel(arch))
             ax.set_title(f"{TITLE[arch]}, {geo}: {title}")
@@ -482,6 +483,9 @@ def plots(t: Table, out: str) -> list:
     if t.copy:
         ax.axhline(t.copy / 1e12, color="red", lw=0.8, ls="--", label="copy ceiling")
     ax.set_xscale("log", base=2)
+    ticks = sorted({b for a in ("mamba2", "gdn") for b in t.batches(a, DEFAULT_MODEL[a], 0)})
+    if ticks:
+        ax.set_xticks(ticks, [str(b) for b in ticks])
     ax.set_xlabel("batch (decode, window 16)")
     ax.set_ylabel("achieved TB/s (traffic model bytes / time)")
     ax.set_title("Achieved memory bandwidth")
