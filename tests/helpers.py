@@ -13,12 +13,17 @@ import math
 import torch
 
 import replayssm as rs
+from replayssm.geometry import GEOMETRIES
+from replayssm.precision import S32_MAX_ABS
 
 #: Measured figures, filled by the tests, printed by ``conftest.pytest_terminal_summary``.
 MEASURED: dict = {}
 
 #: Max abs error allowed for s32_rs (fp32 anchor, fp32 buffers) at unit-scale inputs.
-S32_TOL = 1e-5
+S32_TOL = S32_MAX_ABS
+
+#: The default test geometry (H, P, N, G), from the library's one geometry table.
+TINY = GEOMETRIES["tiny"].geometry
 
 
 def record(key, value):
@@ -50,7 +55,7 @@ class Mamba2Layer:
 
     name = "mamba2"
 
-    def __init__(self, g, nheads=4, headdim=8, dstate=16, ngroups=2):
+    def __init__(self, g, nheads=TINY.H, headdim=TINY.P, dstate=TINY.N, ngroups=TINY.G):
         self.H, self.P, self.N, self.G = nheads, headdim, dstate, ngroups
         self.A = uniform(g, (nheads,), -2.0, -0.3)
         dt0 = log_uniform(g, (nheads,), 0.01, 1.0)
@@ -94,7 +99,7 @@ class GDNLayer:
 
     name = "gdn"
 
-    def __init__(self, g, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8):
+    def __init__(self, g, num_k_heads=TINY.G, num_v_heads=TINY.H, head_k_dim=TINY.N, head_v_dim=TINY.P):
         self.HK, self.HV, self.K, self.V = num_k_heads, num_v_heads, head_k_dim, head_v_dim
 
     @property

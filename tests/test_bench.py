@@ -245,7 +245,7 @@ def test_programmatic_launch_waits_before_any_memory_access(tmp_path):
 
 @pytest.mark.parametrize("arch, pinned", [("mamba2", True), ("gdn", True), ("gdn", False)])
 def test_read_precision_leaves_the_anchors_operations_unchanged(tmp_path, arch, pinned):
-    """DESIGN §3 at compile level, for the GPU kernels this machine cannot run: compiled for
+    """The two-precision invariant (docs/design.md) at compile level, for the GPU kernels this machine cannot run: compiled for
     sm_90 as Triton's launcher specializes them on the GPU (alignment facts included: without
     them the compile is not the device's, and this check passed while the GPU's GDN anchors
     differed), the operations behind the anchor's stores (ptxas_report.anchor_slice), with the
