@@ -19,7 +19,7 @@ The text is normalized (verse numbers dropped, one verse per line) and split by 
 first 95 % trains, the last 5 % (from the later New Testament) is held out. A 4 KiB excerpt of
 the held-out part is written to ``models/kjv_heldout.txt`` for ``evalkl``.
 
-    python scripts/train_tiny.py --fetch-kjv --minutes 4
+    python tools/train_tiny.py --fetch-kjv --minutes 4
 """
 from __future__ import annotations
 
