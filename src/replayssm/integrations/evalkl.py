@@ -9,7 +9,7 @@ next-token distributions are compared:
   for the text's actual next token x_t;
 - ``max_abs_dlogp``; ``ppl`` (perplexity of the preset on the text) and ``ppl_stock``.
 
-The first ``prefix`` tokens are a prefill (the stock path, which seeds the checkpoints); every
+The first ``prefix`` tokens are a prefill (the stock path, whose final state becomes the checkpoints); every
 later position is a decode step, so refreshes happen every ``window`` tokens as in generation.
 
     replayssm eval-kl --model models/tiny-mamba2-kjv --text-file models/kjv_heldout.txt
