@@ -252,6 +252,15 @@ def test_usage_mistakes_are_one_line_and_exit_2(tmp_path, capsys):
         assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err, (argv, err)
 
 
+def test_eval_kl_without_transformers_says_how_to_install(tmp_path, capsys, monkeypatch):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "text.txt").write_text("In the beginning")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    code = main(["eval-kl", "--model", str(tmp_path / "model"), "--text-file", str(tmp_path / "text.txt")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == "replayssm eval-kl: needs transformers: pip install 'replayssm[hf]'"
+
+
 def test_version_and_help_need_no_torch():
     """``replayssm --version`` / ``--help`` answer without importing torch (fast start)."""
     import subprocess
