@@ -1,5 +1,6 @@
 """The benchmark report: merge ``replayssm bench`` JSON files and regenerate, from them alone,
-BENCHMARKS.md, the headline table of README.md and the plots in docs/bench/. No GPU needed.
+BENCHMARKS.md, the headline table of README.md and the plots in docs/bench/ (the memory table
+from the storage formats). No GPU needed.
 
     python -m replayssm.bench.report docs/bench/bench.json NEW/bench.json ...   # = replayssm bench --report ...
 
