@@ -6,7 +6,7 @@
     python examples/hf_generate.py --model path/to/any/Mamba2-or-Qwen3.5-checkpoint --precision tp8_hi32
 
 Byte-level models (vocab 256, the ones in models/) take raw bytes; other models use their tokenizer.
-On 2 CPU cores the tiny models take about 1 minute with --quick; the teacher-forced tables (one
+On 2 CPU cores the tiny models take about 2 minutes with --quick; the teacher-forced tables (one
 decode step per byte per preset) add about 7 minutes per model at the default --kl-tokens 512.
 """
 from __future__ import annotations

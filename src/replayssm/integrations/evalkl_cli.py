@@ -24,7 +24,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                       "fp32 path and through each preset; print mean KL(stock || preset), |d log p| of the "
                       "text's tokens and perplexities. Needs transformers (pip install 'replayssm[hf]'). "
                       "One decode step per token per preset: the defaults on the tiny models in models/ "
-                      "take about 15 minutes on 2 CPU cores; --max-tokens 256 about 2.")
+                      "take about 15 minutes on 2 CPU cores; --max-tokens 256 about 4.")
     ap.formatter_class = argparse.ArgumentDefaultsHelpFormatter
     ap.add_argument("--model", required=True, help="a saved transformers model folder")
     ap.add_argument("--text-file", required=True, help="UTF-8 text; byte-level models read its bytes")
