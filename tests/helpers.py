@@ -14,6 +14,7 @@ import torch
 
 import replayssm as rs
 from replayssm.geometry import GEOMETRIES
+from replayssm.layers import LAYERS as CALLS
 from replayssm.precision import S32_MAX_ABS
 
 #: Measured figures, filled by the tests, printed by ``conftest.pytest_terminal_summary``.
@@ -81,10 +82,8 @@ class Mamba2Layer:
         return {"A": self.A, "D": self.D, "dt_bias": self.dt_bias, "dt_softplus": True}
 
     def run(self, cache, slots, tok, verify):
-        if verify:
-            return rs.mamba2_verify(cache, slots, **tok, **self._consts())
-        return rs.mamba2_decode(cache, slots, **{k: v[:, 0] for k, v in tok.items()},
-                                **self._consts())[:, None]
+        """The public decode / verify call (``replayssm.layers``); outputs [b, T, H, P]."""
+        return CALLS["mamba2"].call(cache, slots, tok, self._consts(), verify)
 
     def reference(self, state, tok):
         return rs.mamba2_reference(state, **tok, **self._consts())
@@ -118,10 +117,8 @@ class GDNLayer:
                 "beta": uniform(g, (b, T, HV), 0.05, 1.0)}
 
     def run(self, cache, slots, tok, verify):
-        if verify:
-            return rs.gdn_verify(cache, slots, **tok, use_qk_l2norm=True)
-        return rs.gdn_decode(cache, slots, **{k: v[:, 0] for k, v in tok.items()},
-                             use_qk_l2norm=True)[:, None]
+        """The public decode / verify call (``replayssm.layers``); outputs [b, T, HV, V]."""
+        return CALLS["gdn"].call(cache, slots, tok, {}, verify)
 
     def reference(self, state, tok):
         return rs.gdn_reference(state, **tok, use_qk_l2norm=True)
