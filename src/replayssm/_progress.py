@@ -27,4 +27,4 @@ def bar(total: int, desc: str, unit: str = "step", enabled: bool | None = None):
         from tqdm import tqdm
     except ImportError:
         return _Silent()
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, leave=False)
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False)
