@@ -10,6 +10,7 @@ import torch
 from replayssm.bench import Problem
 from replayssm.bench import cli as bench
 from replayssm.cli import UsageError
+from replayssm.cli import main as main_cli
 from replayssm.geometry import GEOMETRIES as NAMED
 from replayssm.geometry import Geometry
 
@@ -176,6 +177,45 @@ def test_report_merges_and_regenerates_without_a_gpu(tmp_path, capsys):
     except ImportError:
         return
     assert (out / "speedup_vs_batch.png").exists() and (out / "bandwidth.png").exists()
+
+
+def test_sweep_writes_what_the_report_reads(tmp_path, monkeypatch, capsys):
+    """The GPU sweep's bookkeeping, with the GPU measurements replaced by fixed figures: rows in
+    H,P,N,G order with their commit, ratios against the baselines of the same run, a preset
+    that fails the correctness gate gets no row and the exit code is 1, and the report reads
+    the file back into the headline table."""
+    import json
+
+    from replayssm.bench import measure, report, suite
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "_environment", lambda: {"gpu": "stub GPU", "commit": "abc1234"})
+    monkeypatch.setattr(suite, "copy_bandwidth", lambda: 4e12)
+    monkeypatch.setattr(suite, "baseline_available", lambda name: "not installed here")
+    monkeypatch.setattr(measure, "correctness",
+                        lambda p, preset, *a, **kw: (1e-3, 1e-8 if preset == "s32_rs" else 1.0, 1e-7))
+
+    def bench_one(p, preset, mode="staggered", baseline="ours", **kw):
+        us = 10.0 * p.batch * p.T if preset is None else 4.0 * p.batch * p.T
+        return (us, 0.1), (None if preset is None else {"replay": 1e6, "conventional": 2e6})
+
+    monkeypatch.setattr(measure, "bench_one", bench_one)
+    code = main_cli(["bench", "--arch", "gdn", "--batch", "8,256", "--draft", "0,4", "--presets", "s32_rs,tp8_hi32",
+                     "--output", str(tmp_path)])
+    assert code == 1  # tp8_hi32 failed its gate
+    assert "GATE FAILED gdn tp8_hi32" in capsys.readouterr().out
+    rep = json.loads((tmp_path / "bench.json").read_text())
+    assert rep["dims_order"] == "H,P,N,G" and rep["skipped"] == {"mamba_ssm": "not installed here",
+                                                                   "fla": "not installed here"}
+    kernels = {(r["kernel"], r["batch"], r["draft"]) for r in rep["rows"]}
+    assert kernels == {(k, b, d) for k in ("ours", "s32_rs") for b in (8, 256) for d in (0, 4)}
+    for r in rep["rows"]:
+        assert r["dims"] == [64, 128, 128, 16] and r["geometry"] == "qwen35-122b" and r["commit"] == "abc1234"
+        if r["kernel"] == "s32_rs":
+            assert r["speedup_vs_ours"] == pytest.approx(2.5)
+    t = report.Table(report.merge([report.load(str(tmp_path / "bench.json"))]))
+    row = next(r for r in report.headline_rows(t) if "`s32_rs`" in r[1])
+    assert row[3] == "2.50" and row[4] == "–" and row[6] == "2.50"  # x ours decode, x fla (absent), x ours T=4
 
 
 def test_launch_shape_keeps_nvfp4_programs_on_whole_scale_blocks():
