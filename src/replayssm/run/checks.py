@@ -228,7 +228,7 @@ class Case:
     def _preset_step(self, r: PresetRun, d: StepData, y_of: dict) -> torch.Tensor:
         """Run one preset's main cache (timed) and twin through the step; checks (b), (d), (e),
         (f) and the error figures. Returns the main cache's outputs."""
-        step, slots, valid, n, keep = d.step, d.slots, d.valid, d.n, d.keep
+        step, slots, valid, n = d.step, d.slots, d.valid, d.n
         before = r.main.counters(slots)
         need = valid & (before["committed"] + step.T > self.cfg.window)  # rows that refresh first
         s_pre = r.main.materialize(slots) if r.check_cast and bool(need.any()) else None

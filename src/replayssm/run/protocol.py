@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ..formats import get_format
 from ..geometry import Geometry
-from ..layers import ARCHS, LAYERS
+from ..layers import ARCHS, LAYERS  # noqa: F401  (LAYERS re-exported for checks)
 from ..precision import PRESETS, S32_MAX_ABS, Precision
 
 from . import PROTOCOL, SCHEMA  # noqa: F401  (re-exported)
