@@ -274,8 +274,9 @@ def benchmarks_md(t: Table, sources: list) -> str:
         L.append(f"**Correctness gate failed** for {g['arch']} `{g['preset']}` (window {g.get('window')}): no "
                  "speed-up of it is reported.")
     L += ["", "## Headline: batch 256", ""] + headline(t)
-    L += ["", "Measured at commits " + t.commits(lambda r: r["batch"] == 256 and r["window"] == 16
-                                                  and r["draft"] in (0, 4)) + "."]
+    L += ["", "Measured at commits " + t.commits(
+        lambda r: r["batch"] == 256 and r["window"] == 16 and r["draft"] in (0, 4) and r.get("accept") in (None, "all")
+        and r.get("mode") in ("-", "staggered") and r["geometry"] == DEFAULT_MODEL.get(r["arch"])) + "."]
 
     for arch in ("mamba2", "gdn"):
         geo = DEFAULT_MODEL[arch]
