@@ -1,9 +1,10 @@
-"""One device call: correctness at real geometries against float64 at batch 256 (both backends),
-CUDA-graph replay check, and a timing table (ReplaySSM vs the conventional kernel measured in the
-same run). It made the first session's tables in BENCHMARKS.md; ``replayssm bench`` is the
-user-facing command over the same measurements and made the current ones.
+"""A one-command GPU check of a tree: correctness of every preset against the float64 recurrence
+at the model geometries at batch 256 (both backends for s32_rs), bit-identity of a 48-step
+CUDA-graph replay with eager execution, and a timing table against the conventional kernels.
+Writes DIR/h200.json and DIR/h200.log. ``replayssm bench`` makes the published figures; this
+script answers "is this tree correct on this GPU, and roughly how fast" in one go.
 
-    PYTHONPATH=src python3 benchmarks/h200.py [--quick] [--out DIR]
+    PYTHONPATH=src python3 benchmarks/h200.py [--parts correct,graph,time] [--out DIR]
 """
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ import traceback
 import torch
 
 from replayssm.bench import suite
-from replayssm.precision import PRESETS as ALL_PRESETS
 from replayssm.bench.measure import bench_one, correctness, graph_check
 from replayssm.bench.suite import Problem
+from replayssm.geometry import GEOMETRIES
+from replayssm.precision import PRESET_NAMES
 
 DEV = os.environ.get("RS_DEVICE", "cuda")
 PRESETS = ["s32_rs", "tp16_hi32", "tp8_hi32", "tp4_hi32", "tp4_hi16_sr", "f4_sr_rs"]
@@ -37,14 +39,13 @@ def say(*a):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--parts", default="correct,graph,time")
     ap.add_argument("--batches", default="1,8,32,64,128,256,512")
     ap.add_argument("--presets", default=",".join(PRESETS))
     ap.add_argument("--sweep-presets", default="s32_rs,tp16_hi32,tp8_hi32,tp4_hi16_sr",
                     help="presets timed at batches other than 256")
-    ap.add_argument("--check-presets", default=",".join(ALL_PRESETS))
+    ap.add_argument("--check-presets", default=",".join(PRESET_NAMES))
     args = ap.parse_args()
     parts = args.parts.split(",")
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -55,7 +56,7 @@ def main():
     if "correct" in parts:
         say("== correctness vs float64 (batch 256, bf16 buffers, 20 decode steps + 6 verify rounds T=4) ==")
         for geo in geos:
-            arch, dims = suite.GEOMETRIES[geo]
+            arch, dims = GEOMETRIES[geo].arch, GEOMETRIES[geo].geometry
             for preset in args.check_presets.split(","):
                 for backend in (["triton", "torch"] if preset == "s32_rs" else ["triton"]):
                     p = Problem(arch, dims, 256, 1)
@@ -70,7 +71,7 @@ def main():
         say(f"[{time.time() - t0:.0f}s]")
     if "graph" in parts:
         for geo in geos:
-            arch, dims = suite.GEOMETRIES[geo]
+            arch, dims = GEOMETRIES[geo].arch, GEOMETRIES[geo].geometry
             try:
                 ok = graph_check(Problem(arch, dims, 256, 1), device=DEV)
                 say(f"cuda-graph 48-step replay == eager ({geo}): {ok}")
@@ -85,7 +86,7 @@ def main():
         say(f"copy bandwidth {bw / 1e12:.2f} TB/s")
         batches = [int(x) for x in args.batches.split(",")]
         for geo in geos:
-            arch, dims = suite.GEOMETRIES[geo]
+            arch, dims = GEOMETRIES[geo].arch, GEOMETRIES[geo].geometry
             for T in (1, 4):
                 for b in batches:
                     if T == 4 and b not in (8, 256):

@@ -23,8 +23,8 @@ import torch
 from replayssm._triton import launch
 from replayssm.bench import measure, suite
 from replayssm.bench.suite import Problem
+from replayssm.geometry import DEFAULT_MODEL, GEOMETRIES
 
-GEO = {"mamba2": "nemotron3-super", "gdn": "qwen35-122b"}
 
 
 def profiled(step_fns, found: dict) -> tuple[float, float]:
@@ -63,7 +63,7 @@ def main(argv=None):
         launch.TUNING.update(launch.parse_shape(label) if label else {})
         found.clear()
         try:
-            measure.bench_one(Problem(arch, suite.GEOMETRIES[GEO[arch]][1], args.batch, T),
+            measure.bench_one(Problem(arch, GEOMETRIES[DEFAULT_MODEL[arch]].geometry, args.batch, T),
                               None if preset == "conv" else preset, mode)
         finally:
             launch.TUNING.clear()

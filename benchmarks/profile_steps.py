@@ -18,8 +18,8 @@ import torch
 from replayssm._triton import launch
 from replayssm.bench import suite
 from replayssm.bench.suite import Problem
+from replayssm.geometry import DEFAULT_MODEL, GEOMETRIES
 
-GEO = {"mamba2": "nemotron3-super", "gdn": "qwen35-122b"}
 
 
 def main(argv):
@@ -28,7 +28,7 @@ def main(argv):
     for spec in argv:
         arch, preset, mode, shape, T = (spec.split(":") + [""] * 3)[:5]
         mode, T = mode or "staggered", int(T or 1)
-        p = Problem(arch, suite.GEOMETRIES[GEO[arch]][1], 256, T)
+        p = Problem(arch, GEOMETRIES[DEFAULT_MODEL[arch]].geometry, 256, T)
         prm = suite.make_params(p, dev, gen)
         inp = suite.make_inputs(p, dev, gen)
         slots = torch.arange(p.batch, device=dev)

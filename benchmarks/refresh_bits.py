@@ -20,7 +20,7 @@ from replayssm.bench.suite import Problem
 
 GEO = {"mamba2": "nemotron3-super", "gdn": "qwen35-122b"}
 DRAFT = 1  # tokens per step (--draft)
-SMALL = {"mamba2": (2, 64, 128, 1), "gdn": (1, 2, 128, 128)}  # --small: a CPU smoke run (TRITON_INTERPRET=1)
+SMALL = {"mamba2": (2, 64, 128, 1), "gdn": (2, 128, 128, 1)}  # H,P,N,G; --small: a CPU smoke run (TRITON_INTERPRET=1)
 
 
 def run(arch: str, preset: str, tuning: dict, dims, device, batch: int = 8, window: int = 16):

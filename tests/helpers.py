@@ -13,12 +13,18 @@ import math
 import torch
 
 import replayssm as rs
+from replayssm.geometry import GEOMETRIES
+from replayssm.layers import LAYERS as CALLS
+from replayssm.precision import S32_MAX_ABS
 
 #: Measured figures, filled by the tests, printed by ``conftest.pytest_terminal_summary``.
 MEASURED: dict = {}
 
 #: Max abs error allowed for s32_rs (fp32 anchor, fp32 buffers) at unit-scale inputs.
-S32_TOL = 1e-5
+S32_TOL = S32_MAX_ABS
+
+#: The default test geometry (H, P, N, G), from the library's one geometry table.
+TINY = GEOMETRIES["tiny"].geometry
 
 
 def record(key, value):
@@ -50,7 +56,7 @@ class Mamba2Layer:
 
     name = "mamba2"
 
-    def __init__(self, g, nheads=4, headdim=8, dstate=16, ngroups=2):
+    def __init__(self, g, nheads=TINY.H, headdim=TINY.P, dstate=TINY.N, ngroups=TINY.G):
         self.H, self.P, self.N, self.G = nheads, headdim, dstate, ngroups
         self.A = uniform(g, (nheads,), -2.0, -0.3)
         dt0 = log_uniform(g, (nheads,), 0.01, 1.0)
@@ -76,10 +82,8 @@ class Mamba2Layer:
         return {"A": self.A, "D": self.D, "dt_bias": self.dt_bias, "dt_softplus": True}
 
     def run(self, cache, slots, tok, verify):
-        if verify:
-            return rs.mamba2_verify(cache, slots, **tok, **self._consts())
-        return rs.mamba2_decode(cache, slots, **{k: v[:, 0] for k, v in tok.items()},
-                                **self._consts())[:, None]
+        """The public decode / verify call (``replayssm.layers``); outputs [b, T, H, P]."""
+        return CALLS["mamba2"].call(cache, slots, tok, self._consts(), verify)
 
     def reference(self, state, tok):
         return rs.mamba2_reference(state, **tok, **self._consts())
@@ -94,7 +98,7 @@ class GDNLayer:
 
     name = "gdn"
 
-    def __init__(self, g, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=8):
+    def __init__(self, g, num_k_heads=TINY.G, num_v_heads=TINY.H, head_k_dim=TINY.N, head_v_dim=TINY.P):
         self.HK, self.HV, self.K, self.V = num_k_heads, num_v_heads, head_k_dim, head_v_dim
 
     @property
@@ -113,10 +117,8 @@ class GDNLayer:
                 "beta": uniform(g, (b, T, HV), 0.05, 1.0)}
 
     def run(self, cache, slots, tok, verify):
-        if verify:
-            return rs.gdn_verify(cache, slots, **tok, use_qk_l2norm=True)
-        return rs.gdn_decode(cache, slots, **{k: v[:, 0] for k, v in tok.items()},
-                             use_qk_l2norm=True)[:, None]
+        """The public decode / verify call (``replayssm.layers``); outputs [b, T, HV, V]."""
+        return CALLS["gdn"].call(cache, slots, tok, {}, verify)
 
     def reference(self, state, tok):
         return rs.gdn_reference(state, **tok, use_qk_l2norm=True)

@@ -7,11 +7,29 @@ import sys
 import pytest
 import torch
 
-from replayssm.bench import GEOMETRIES, Problem
+from replayssm.bench import Problem
 from replayssm.bench import cli as bench
+from replayssm.cli import UsageError
+from replayssm.cli import main as main_cli
+from replayssm.geometry import GEOMETRIES as NAMED
+from replayssm.geometry import Geometry
+
+GEOMETRIES = {name: (g.arch, g.geometry) for name, g in NAMED.items() if g.arch}
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PTXAS_REPORT = os.path.join(ROOT, "benchmarks", "ptxas_report.py")
+
+
+def _compile_for_sm90(tmp_path, *args) -> str:
+    """stdout of ``python args...`` with a real Triton compile (no interpreter), src on the path and
+    a fresh Triton cache: how these CPU tests see the kernels as built for an H100/H200."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.join(ROOT, "src")
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout
 
 
 def test_without_gpu_it_says_so_and_exits_nonzero(capsys):
@@ -20,7 +38,8 @@ def test_without_gpu_it_says_so_and_exits_nonzero(capsys):
     from replayssm.cli import main
 
     assert main(["bench"]) == 2
-    assert "needs a CUDA GPU" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "needs a CUDA GPU" in err and len(err.strip().splitlines()) == 1
 
 
 def test_kernel_profile_without_gpu_says_so_and_exits_nonzero():
@@ -34,11 +53,18 @@ def test_kernel_profile_without_gpu_says_so_and_exits_nonzero():
 
 
 def test_geometry_names_and_tuples():
-    assert bench.parse_geometry("qwen35-122b", "all") == GEOMETRIES["qwen35-122b"]
-    assert bench.parse_geometry("8,64,128,1", "mamba2") == ("mamba2", (8, 64, 128, 1))
+    """``bench --geometry`` reads H,P,N,G as ``run --geometry`` does (one table, one order)."""
+    import argparse
+
+    def plan(geometry, arch):
+        return bench.plan(argparse.Namespace(geometry=geometry, arch=arch))
+
+    assert plan("qwen35-122b", "all") == [GEOMETRIES["qwen35-122b"]] == [("gdn", Geometry(64, 128, 128, 16))]
+    assert plan("8,64,128,1", "mamba2") == [("mamba2", (8, 64, 128, 1))]
+    assert plan(None, "all") == [GEOMETRIES["nemotron3-super"], GEOMETRIES["qwen35-122b"]]
     for bad, arch in (("8,64,128", "mamba2"), ("8,64,128,1", "all"), ("nemotron3-super", "gdn"), ("x", "gdn")):
-        with pytest.raises(ValueError, match="geometry"):
-            bench.parse_geometry(bad, arch)
+        with pytest.raises(UsageError, match="geometry"):
+            plan(bad, arch)
 
 
 def test_traffic_model_against_the_formats():
@@ -77,7 +103,7 @@ def test_memory_report_per_sequence():
 def test_correctness_gate_passes_the_real_kernel_and_refuses_a_broken_one(arch):
     from replayssm.bench import measure, suite
 
-    dims = (4, 16, 32, 2) if arch == "mamba2" else (2, 4, 32, 16)
+    dims = (4, 16, 32, 2) if arch == "mamba2" else (4, 16, 32, 2)
     p = Problem(arch, dims, 4, 1)  # batch 4: at the first step the only active row is a pad
     _, rel, _ = measure.correctness(p, "s32_rs", "cpu", "torch", steps=18, rounds=2, T=2)
     assert rel <= measure.gate_tolerance("s32_rs")
@@ -90,46 +116,114 @@ def test_correctness_gate_passes_the_real_kernel_and_refuses_a_broken_one(arch):
     assert rel_broken > measure.gate_tolerance("s32_rs")
 
 
-def test_replot_merges_reports_without_a_gpu(tmp_path, capsys):
-    """--replot merges bench.json files (rows, gates, memory), fills in the accept rate of
-    speculative rows, lets a later measurement of the same row replace the earlier one, and
-    writes the merged bench.json (plots when matplotlib is there)."""
+def _bench_report(batch, draft, accept, us=8.0, ext=None, legacy=False):
+    """A bench.json with one conventional row and one s32_rs row (and an external baseline)."""
+    dims = [16, 64, 128, 128] if legacy else [64, 128, 128, 16]  # qwen35-122b, older GDN order first
+    base = dict(arch="gdn", dims=dims, window=16, draft=draft, batch=batch, mode="-", kernel="ours", us=10.0,
+                spread=0.1, bytes=8e6)
+    rows = [base, dict(base, kernel="s32_rs", mode="staggered", us=us, bytes=4e6, speedup_vs_ours=10.0 / us)]
+    if ext:
+        rows.append(dict(base, kernel="fla", us=ext))
+    rep = {"environment": {"gpu": "test GPU", "commit": "abc1234"}, "args": {"accept": accept, "batch": [batch]},
+           "copy_bandwidth": 4e12, "rows": rows, "memory": {}, "skipped": {},
+           "gate": [dict(arch="gdn", dims=dims, window=16, preset="s32_rs", max_abs=1e-7, rel=1e-7, state=1e-7,
+                         tolerance=1e-4, passed=True)]}
+    if not legacy:
+        rep["dims_order"] = "H,P,N,G"
+    return rep
+
+
+def test_report_merges_and_regenerates_without_a_gpu(tmp_path, capsys):
+    """``bench --report`` merges bench.json files (a later measurement of a row replaces the earlier
+    one; older files' GDN dims are read in their order), then writes the merged JSON, BENCHMARKS.md
+    and the README's headline table from them alone. Ratios are taken between rows of the merged
+    table: a conventional time measured again changes every ratio against it."""
     import json
 
-    def report(batch, draft, accept, us=8.0):
-        base = dict(arch="mamba2", dims=[8, 16, 32, 1], window=16, draft=draft, batch=batch, mode="-",
-                    kernel="ours", us=10.0, spread=0.1, bytes=8e6)
-        ours = dict(base, kernel="s32_rs", mode="staggered", us=us, bytes=4e6, speedup_vs_ours=10.0 / us)
-        return {"environment": {"gpu": "test"}, "args": {"accept": accept}, "copy_bandwidth": 4e12,
-                "rows": [base, ours], "gate": [{"passed": True}], "memory": {}, "skipped": {}}
-
     paths = []
-    runs = ((8, 0, "all", 8.0), (64, 0, "all", 8.0), (64, 4, "half", 8.0), (64, 0, "all", 5.0))  # the last: again
-    for i, (batch, draft, accept, us) in enumerate(runs):
+    runs = ((8, 0, "all", 8.0, 4.0, True), (256, 0, "all", 8.0, 12.0, True), (256, 4, "half", 8.0, None, False),
+            (256, 0, "all", 5.0, 12.0, False))  # the last measures batch 256 decode again
+    for i, (batch, draft, accept, us, ext, legacy) in enumerate(runs):
         paths.append(tmp_path / f"r{i}.json")
-        paths[-1].write_text(json.dumps(report(batch, draft, accept, us)))
+        paths[-1].write_text(json.dumps(_bench_report(batch, draft, accept, us, ext, legacy)))
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- headline table: generated by python -m replayssm.bench.report; do not edit -->\n"
+                      "old\n<!-- end of headline table -->\ntail\n")
     from replayssm.cli import main
 
-    assert main(["bench", "--replot", *map(str, paths), "--output", str(tmp_path / "merged")]) == 0
-    merged = json.loads((tmp_path / "merged" / "bench.json").read_text())
-    assert len(merged["rows"]) == 6 and len(merged["gate"]) == 4
+    out = tmp_path / "merged"
+    assert main(["bench", "--report", *map(str, paths), "--output", str(out), "--markdown",
+                 str(tmp_path / "B.md"), "--readme", str(readme)]) == 0
+    merged = json.loads((out / "bench.json").read_text())
+    assert len(merged["rows"]) == 8 and merged["dims_order"] == "H,P,N,G"
+    assert {tuple(r["dims"]) for r in merged["rows"]} == {(64, 128, 128, 16)}
     assert [r["accept"] for r in merged["rows"] if r["draft"]] == ["half", "half"]
-    assert merged["rows"][1]["tb_per_s"] == pytest.approx(4e6 / 8.0 / 1e6)
-    again = [r for r in merged["rows"] if r["batch"] == 64 and r["draft"] == 0 and r["kernel"] == "s32_rs"]
-    assert [r["us"] for r in again] == [5.0]
-    assert "s32_rs" in capsys.readouterr().out
+    again = [r for r in merged["rows"] if r["batch"] == 256 and r["draft"] == 0 and r["kernel"] == "s32_rs"]
+    assert [r["us"] for r in again] == [5.0] and again[0]["commit"] == "abc1234"
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith("tail\n") and "old" not in text
+    row = next(line for line in text.splitlines() if "`s32_rs`" in line)
+    cells = [c.strip() for c in row.split("|")]
+    assert cells[3:6] == ["5.0", "2.00", "2.40"]  # us, x conventional (10 / 5), x fla (12 / 5)
+    md = (tmp_path / "B.md").read_text()
+    assert "## Headline: batch 256" in md and "abc1234" in md and len(md.splitlines()) <= 300
+    # the report's input may be its own output: re-running on the merged file changes nothing
+    assert main(["bench", "--report", str(out / "bench.json"), "--output", str(out), "--markdown", "-",
+                 "--readme", "-"]) == 0
+    assert json.loads((out / "bench.json").read_text())["rows"] == merged["rows"]
+    capsys.readouterr()
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         return
-    drawn = sorted(p.name for p in (tmp_path / "merged").glob("*.png"))
-    # two batches: a batch curve; one window and one draft length: no curve to draw for those
-    assert drawn == ["bandwidth.png", "speedup_vs_batch.png"]
+    assert (out / "speedup_vs_batch.png").exists() and (out / "bandwidth.png").exists()
 
 
+def test_sweep_writes_what_the_report_reads(tmp_path, monkeypatch, capsys):
+    """The GPU sweep's bookkeeping, with the GPU measurements replaced by fixed figures: rows in
+    H,P,N,G order with their commit, ratios against the baselines of the same run, a preset
+    that fails the correctness gate gets no row and the exit code is 1, and the report reads
+    the file back into the headline table."""
+    import json
+
+    from replayssm.bench import measure, report, suite
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "_environment", lambda: {"gpu": "stub GPU", "commit": "abc1234"})
+    monkeypatch.setattr(suite, "copy_bandwidth", lambda: 4e12)
+    monkeypatch.setattr(suite, "baseline_available", lambda name: "not installed here")
+    monkeypatch.setattr(measure, "correctness",
+                        lambda p, preset, *a, **kw: (1e-3, 1e-8 if preset == "s32_rs" else 1.0, 1e-7))
+
+    def bench_one(p, preset, mode="staggered", baseline="ours", **kw):
+        us = 10.0 * p.batch * p.T if preset is None else 4.0 * p.batch * p.T
+        return (us, 0.1), (None if preset is None else {"replay": 1e6, "conventional": 2e6})
+
+    monkeypatch.setattr(measure, "bench_one", bench_one)
+    code = main_cli(["bench", "--arch", "gdn", "--batch", "8,256", "--draft", "0,4", "--presets", "s32_rs,tp8_hi32",
+                     "--output", str(tmp_path)])
+    assert code == 1  # tp8_hi32 failed its gate
+    assert "GATE FAILED gdn tp8_hi32" in capsys.readouterr().out
+    rep = json.loads((tmp_path / "bench.json").read_text())
+    assert rep["dims_order"] == "H,P,N,G" and rep["skipped"] == {"mamba_ssm": "not installed here",
+                                                                   "fla": "not installed here"}
+    kernels = {(r["kernel"], r["batch"], r["draft"]) for r in rep["rows"]}
+    assert kernels == {(k, b, d) for k in ("ours", "s32_rs") for b in (8, 256) for d in (0, 4)}
+    for r in rep["rows"]:
+        assert r["dims"] == [64, 128, 128, 16] and r["geometry"] == "qwen35-122b" and r["commit"] == "abc1234"
+        if r["kernel"] == "s32_rs":
+            assert r["speedup_vs_ours"] == pytest.approx(2.5)
+    t = report.Table(report.merge([report.load(str(tmp_path / "bench.json"))]))
+    row = next(r for r in report.headline_rows(t) if "`s32_rs`" in r[1])
+    assert row[3] == "2.50" and row[4] == "–" and row[6] == "2.50"  # x ours decode, x fla (absent), x ours T=4
+
+
+@pytest.mark.parametrize("arch, pinned", [("mamba2", True), ("gdn", True), ("gdn", False)])
+@pytest.mark.parametrize("arch, draft", [("mamba2", 4), ("gdn", 1)])
 def test_report_names_the_commit_given_by_replayssm_commit(monkeypatch):
     """A device machine's copy of the tree may carry a stale .git: REPLAYSSM_COMMIT wins over git."""
     monkeypatch.setenv("REPLAYSSM_COMMIT", "0123abc")
     assert bench._environment()["commit"] == "0123abc"
     monkeypatch.delenv("REPLAYSSM_COMMIT")
     assert bench._environment()["commit"] != "0123abc"
+

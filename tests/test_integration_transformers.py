@@ -440,7 +440,7 @@ def test_unsupported_models_and_options():
 
 
 # ---------------------------------------------------------------------------------------------
-# the tiny trained byte-level models shipped in models/ (scripts/train_tiny.py)
+# the tiny trained byte-level models shipped in models/ (tools/train_tiny.py)
 # ---------------------------------------------------------------------------------------------
 _MODELS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "models")
 

@@ -17,6 +17,9 @@ import replayssm as rs
 from replayssm import run
 from replayssm.cache import ReplayCache
 from replayssm.cli import main
+from replayssm.geometry import Geometry, parse_geometry
+from replayssm.precision import S32_MAX_ABS
+from replayssm.run import protocol
 
 TINY = ["--seeds", "7", "--steps", "24", "--batch", "2", "--geometry", "2,8,16,1"]
 CHECK_IDS = {"a", "b", "c", "d", "e", "f"}
@@ -45,8 +48,8 @@ def test_tiny_run_passes_with_schema(tmp_path, capsys):
     assert all(c["passed"] and c["evaluated"] > 0 for c in rep["checks"])
 
     presets = {(r["arch"], r["preset"]) for r in rep["runs"]}
-    for arch in run.ARCHS:
-        for p in rs.SEED_PRESETS:
+    for arch in protocol.ARCHS:
+        for p in rs.REPRODUCTION_PRESETS:
             assert (arch, p) in presets
     assert set(rep["config"]["controls"]) == {"ctl_fp16sr_r32", "ctl_nvfp4sr_r32"}
     for r in rep["runs"]:
@@ -61,7 +64,7 @@ def test_tiny_run_passes_with_schema(tmp_path, capsys):
         assert r["tokens_committed"] == r["rounds"]["decode"]["tokens"] + sp["accepted"]
         if r["preset"] == "s32_rs":
             assert m["output_rmse_vs_s32"] == 0 and m["anchor_rmse_vs_s32"] == 0
-            assert m["output_max_abs_vs_f64"] <= run.S32_OUTPUT_LIMIT
+            assert m["output_max_abs_vs_f64"] <= S32_MAX_ABS
         if r["preset"] == "tp8_hi32":  # fp32 anchor: bit-identical to s32_rs's, outputs differ
             assert m["anchor_rmse_vs_s32"] == 0 and m["output_rmse_vs_s32"] > 0
     summ = rep["summary"]["gdn"]
@@ -138,7 +141,7 @@ def test_skipped_refresh_fails_s32_error(tmp_path, capsys, monkeypatch):
 
     monkeypatch.setattr(ReplayCache, "refresh", broken)
     rep = _expect_failure(tmp_path, capsys, "a", "--presets", "s32_rs", arch="mamba2")
-    assert next(c for c in rep["checks"] if c["id"] == "a")["figure"] > run.S32_OUTPUT_LIMIT
+    assert next(c for c in rep["checks"] if c["id"] == "a")["figure"] > S32_MAX_ABS
 
 
 def test_committed_rejected_drafts_fail(tmp_path, capsys, monkeypatch):
@@ -179,7 +182,7 @@ def test_exception_is_a_named_failure(tmp_path, capsys, monkeypatch):
 # Protocol pieces
 # ------------------------------------------------------------------------------------------------
 def test_schedule_covers_the_protocol():
-    sched = run.Schedule(batch=4, steps=48, max_draft=4)
+    sched = protocol.Schedule(batch=4, steps=48, max_draft=4)
     steps = list(sched)
     assert len(steps) == 48 and sched.base_slots.count(-1) == 1
     tokens = [0] * 4
@@ -201,12 +204,12 @@ def test_schedule_covers_the_protocol():
 
 
 def test_controls_give_every_anchor_format_two_reads():
-    plan = run.plan_presets(list(rs.SEED_PRESETS), controls=True)
+    plan = run.plan_presets(list(rs.REPRODUCTION_PRESETS), controls=True)
     names = [p.name for p, _ in plan]
-    assert names[:4] == list(rs.SEED_PRESETS)
+    assert names[:4] == list(rs.REPRODUCTION_PRESETS)
     groups = {}
     for p, _ in plan:
-        groups.setdefault(run.anchor_key(p), set()).add(run.read_key(p))
+        groups.setdefault(protocol.anchor_key(p), set()).add(protocol.read_key(p))
     assert all(len(reads) == 2 for reads in groups.values())
     assert [p.name for p, c in run.plan_presets(["tp8_hi32"], controls=True)] == ["s32_rs", "tp8_hi32"]
     assert [p.name for p, c in run.plan_presets(["s32_rs"], controls=True) if c] == ["tp16_hi32"]
@@ -214,10 +217,60 @@ def test_controls_give_every_anchor_format_two_reads():
 
 
 def test_geometry_parsing():
-    assert run.Geometry.parse("small") == run.Geometry(4, 16, 32, 2)
-    assert run.Geometry.parse("8,4,16,2") == run.Geometry(8, 4, 16, 2)
-    with pytest.raises(Exception):
-        run.Geometry.parse("8,4,16,3")
+    assert parse_geometry("small") == (None, Geometry(4, 16, 32, 2))
+    assert parse_geometry("8,4,16,2") == (None, Geometry(8, 4, 16, 2))
+    assert parse_geometry("qwen35-122b", "gdn") == ("gdn", Geometry(64, 128, 128, 16))
+    for bad, arch in (("8,4,16,3", "all"), ("8,4,16", "all"), ("qwen35-122b", "mamba2"), ("x", "gdn")):
+        with pytest.raises(ValueError, match="geometry"):
+            parse_geometry(bad, arch)
+
+
+def test_usage_mistakes_are_one_line_and_exit_2(tmp_path, capsys):
+    """Every user mistake: one line on stderr naming it, exit code 2, no traceback."""
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "other.json").write_text("{}")
+    cases = [(["run", "--presets", "s32_rs,nope"], "unknown preset nope"),
+             (["run", "--steps", "0"], "--steps"),
+             (["run", "--seeds", "a"], "--seeds"),
+             (["run", "--max-draft", "8", "--window", "4"], "--max-draft (8) must be <= --window (4)"),
+             (["run", "--geometry", "qwen35-122b", "--arch", "mamba2"], "gdn geometry"),
+             (["run", "--device", "tpu"], "--device"),
+             (["run", "--compare", str(tmp_path / "missing.json"), str(tmp_path / "bad.json")], "cannot read"),
+             (["run", "--compare", str(tmp_path / "bad.json"), str(tmp_path / "bad.json")], "is not JSON"),
+             (["run", "--compare", str(tmp_path / "other.json"), str(tmp_path / "other.json")], "not a replayssm run"),
+             (["bench", "--presets", "nope"], "unknown preset"),
+             (["bench", "--report", str(tmp_path / "missing.json")], "no such file"),
+             (["eval-kl", "--model", str(tmp_path / "none"), "--text-file", "x"], "no such file"),
+             (["nope"], "invalid choice")]
+    for argv, needle in cases:
+        try:
+            code = main(argv)
+        except SystemExit as exc:  # argparse's own errors
+            code = exc.code
+        err = capsys.readouterr().err.strip()
+        assert code == 2, (argv, err)
+        assert needle in err and len(err.splitlines()) == 1 and "Traceback" not in err, (argv, err)
+
+
+def test_eval_kl_without_transformers_says_how_to_install(tmp_path, capsys, monkeypatch):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "text.txt").write_text("In the beginning")
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers -> ImportError
+    code = main(["eval-kl", "--model", str(tmp_path / "model"), "--text-file", str(tmp_path / "text.txt")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == "replayssm eval-kl: needs transformers: pip install 'replayssm[hf]'"
+
+
+def test_version_and_help_need_no_torch():
+    """``replayssm --version`` / ``--help`` answer without importing torch (fast start)."""
+    import subprocess
+    code = ("import sys\nfrom replayssm.cli import main\n"
+            "for argv in (['--version'], ['--help'], ['run', '--help'], ['bench', '--help'], ['eval-kl', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"replayssm {rs.__version__}" in done.stdout
 
 
 def test_drift_records_and_plot_skip(tmp_path, capsys, monkeypatch):
@@ -230,4 +283,14 @@ def test_drift_records_and_plot_skip(tmp_path, capsys, monkeypatch):
     assert all(d["anchor_rmse_vs_f64"] > 0 for d in drift)
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert "skipped" in run.plot_drift(rep, tmp_path / "e.png")
+
+
+def test_compare_lists_runs_of_one_report_briefly(tmp_path, capsys):
+    """Reports with partly overlapping runs: the runs of only one report fit on a short line."""
+    _, a = run_cli(tmp_path, "--presets", "all", name="a.json", arch="mamba2")
+    _, b = run_cli(tmp_path, "--presets", "s32_rs", name="b.json", arch="mamba2")
+    capsys.readouterr()
+    assert main(["run", "--compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("runs only in A"))
+    assert "f4_sr_rs (seeds 7)" in line and "more" in line and len(line) < 400
     assert not (tmp_path / "e.png").exists()

@@ -1,33 +1,44 @@
 """replayssm: decode state-space layers (Mamba-2, Gated DeltaNet) from a checkpoint written every
 L tokens plus a replay buffer of each token's small inputs, with speculative verify, pointer-move
-rollback and a high-precision anchor kept apart from a low-precision read copy."""
-from .cache import poison_fresh_allocations
-from .formats import FORMATS, Format, get_format
-from .gdn.cache import GDNCache
-from .gdn.ops import gdn_decode, gdn_verify
-from .gdn.reference import gdn_reference, gdn_reference_step
-from .mamba2.cache import Mamba2Cache
-from .mamba2.ops import mamba2_decode, mamba2_verify
-from .mamba2.reference import mamba2_reference, mamba2_reference_step
-from .precision import PRESETS, SEED_PRESETS, Precision, get_precision
+rollback and a high-precision anchor kept apart from a low-precision read copy.
+
+Every public name is imported on first use, so that ``import replayssm`` (and ``replayssm --help``)
+does not load torch until something needs it.
+"""
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-_LAZY = {"patch": "integrations.transformers", "unpatch": "integrations.transformers",
-         "speculative_generate": "integrations.speculative"}
+#: public name -> submodule that defines it
+_EXPORTS = {
+    "poison_fresh_allocations": "cache",
+    "FORMATS": "formats", "Format": "formats", "get_format": "formats",
+    "GDNCache": "gdn.cache",
+    "gdn_decode": "gdn.ops", "gdn_verify": "gdn.ops",
+    "gdn_reference": "gdn.reference", "gdn_reference_step": "gdn.reference",
+    "Mamba2Cache": "mamba2.cache",
+    "mamba2_decode": "mamba2.ops", "mamba2_verify": "mamba2.ops",
+    "mamba2_reference": "mamba2.reference", "mamba2_reference_step": "mamba2.reference",
+    "PRESETS": "precision", "REPRODUCTION_PRESETS": "precision", "Precision": "precision",
+    "get_precision": "precision",
+    # these import transformers
+    "patch": "integrations.transformers", "unpatch": "integrations.transformers",
+    "speculative_generate": "integrations.speculative",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
 
 
 def __getattr__(name):
-    """``rs.patch``, ``rs.unpatch``, ``rs.speculative_generate`` import transformers on first use."""
-    if name in _LAZY:
-        import importlib
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        if not _EXPORTS[name].startswith("integrations."):
+            globals()[name] = value  # later look-ups skip this function
+        return value
     raise AttributeError(f"module 'replayssm' has no attribute {name!r}")
 
-__all__ = [
-    "FORMATS", "Format", "GDNCache", "Mamba2Cache", "PRESETS", "Precision", "SEED_PRESETS",
-    "gdn_decode", "gdn_reference", "gdn_reference_step", "gdn_verify", "get_format",
-    "get_precision", "mamba2_decode", "mamba2_reference", "mamba2_reference_step",
-    "mamba2_verify", "patch", "poison_fresh_allocations", "speculative_generate", "unpatch",
-    "__version__",
-]
+
+def __dir__():
+    return __all__

@@ -1,36 +1,29 @@
 """GPU benchmarks: ``replayssm bench`` (``cli``), the measurements (``measure``), timing and the
-traffic model (``suite``), and the conventional baseline kernels (``conventional``).
+traffic model (``suite``), the conventional baseline kernels (``conventional``), and the report
+that turns bench JSON into BENCHMARKS.md, the README's headline table and the plots (``report``).
 
-This module itself needs no GPU and no triton: it names the real model geometries and the problem
-shape shared by the others.
+This module itself needs no GPU, no triton and no torch: it names the problem shape shared by the
+others. Geometries come from ``replayssm.geometry`` (H, P, N, G for both layer kinds).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-GEOMETRIES = {
-    # name: (arch, dims)   mamba2 dims = (H, P, N, G); gdn dims = (HK, HV, K, V)
-    "nemotron3-super": ("mamba2", (128, 64, 128, 8)),
-    "nemotron3-nano": ("mamba2", (64, 64, 128, 8)),
-    "mamba2-2.7b": ("mamba2", (80, 64, 128, 1)),
-    "qwen35-122b": ("gdn", (16, 64, 128, 128)),
-    "qwen3-next": ("gdn", (16, 32, 128, 128)),
-}
+from ..geometry import Geometry
 
 
 @dataclass
 class Problem:
-    """One benchmarked shape: architecture, dims, batch, tokens per step (T = 1: decode)."""
+    """One benchmarked shape: layer kind, geometry (H, P, N, G), batch, tokens per step (T = 1: decode)."""
 
     arch: str
-    dims: tuple
+    dims: Geometry
     batch: int
     T: int
 
+    def __post_init__(self):
+        self.dims = Geometry(*self.dims)
+
     @property
     def state_elems(self) -> int:
-        if self.arch == "mamba2":
-            H, P, N, _ = self.dims
-            return H * P * N
-        _, HV, K, V = self.dims
-        return HV * V * K
+        return self.dims.state_elems

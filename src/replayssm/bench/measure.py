@@ -4,28 +4,15 @@ from __future__ import annotations
 
 import torch
 
-import replayssm as rs
-
+from ..layers import LAYERS
+from ..precision import relative_tolerance as gate_tolerance  # noqa: F401  (the gate's bound per preset)
 from . import suite
 from .suite import Problem
-
-#: Output tolerance of the correctness gate, relative to ||reference|| (bf16 inputs and buffers).
-GATE_TOLERANCE = {"fp32": 1e-4, "fp16": 2e-3, "bf16": 1.5e-2, "fp8_e4m3": 0.05, "nvfp4": 0.25}
-
-
-def gate_tolerance(preset) -> float:
-    """The correctness gate's bound on the relative output error of ``preset``."""
-    p = rs.get_precision(preset)
-    return max(GATE_TOLERANCE[p.read_format.name], GATE_TOLERANCE[p.anchor.name])
 
 
 def reference_step(p: Problem, state, inp, prm, t):
     """The float64 conventional step on token ``t`` of ``inp`` (the same inputs ReplaySSM gets)."""
-    g = lambda k: inp[k][:, t]  # noqa: E731
-    if p.arch == "mamba2":
-        return rs.mamba2_reference_step(state, g("x"), g("dt"), prm["A"], g("B"), g("C"), prm["D"], g("z"),
-                                        prm["dt_bias"], True)
-    return rs.gdn_reference_step(state, g("q"), g("k"), g("v"), g("g"), g("beta"), use_qk_l2norm=True)
+    return LAYERS[p.arch].reference_step(state, inp, prm, t)
 
 
 def correctness(p0: Problem, preset, device="cuda", backend=None, steps=20, rounds=6, T=4, window=16,

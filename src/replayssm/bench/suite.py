@@ -10,11 +10,14 @@ import math
 
 import torch
 
-import replayssm as rs
-from replayssm.gdn.ops import l2norm
-
-from . import GEOMETRIES, Problem  # noqa: F401  (re-exported)
+from ..gdn.ops import l2norm
+from ..geometry import GEOMETRIES as _NAMED
+from ..layers import LAYERS
+from . import Problem  # noqa: F401  (re-exported)
 from .conventional import gdn_conventional, mamba2_conventional
+
+#: name -> (layer kind, geometry) of the model geometries in ``replayssm.geometry.GEOMETRIES``.
+GEOMETRIES = {name: (g.arch, g.geometry) for name, g in _NAMED.items() if g.arch is not None}
 
 L2_BYTES = 60 * 2**20
 
@@ -24,13 +27,12 @@ def make_inputs(p: Problem, device, gen, dtype=torch.bfloat16):
     b, T = p.batch, p.T
     r = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
     u = lambda *s: torch.rand(*s, device=device, generator=gen)  # noqa: E731
+    H, P, N, G = p.dims
     if p.arch == "mamba2":
-        H, P, N, G = p.dims
         return dict(x=r(b, T, H, P).to(dtype), dt=(u(b, T, H) * 2 - 3.5), B=(r(b, T, G, N) * 0.3).to(dtype),
                     C=(r(b, T, G, N) * 0.3).to(dtype), z=r(b, T, H, P).to(dtype))
-    HK, HV, K, V = p.dims
-    return dict(q=r(b, T, HK, K).to(dtype), k=r(b, T, HK, K).to(dtype), v=r(b, T, HV, V).to(dtype),
-                g=torch.log(0.85 + 0.149 * u(b, T, HV)), beta=u(b, T, HV).to(dtype))
+    return dict(q=r(b, T, G, N).to(dtype), k=r(b, T, G, N).to(dtype), v=r(b, T, H, P).to(dtype),
+                g=torch.log(0.85 + 0.149 * u(b, T, H)), beta=u(b, T, H).to(dtype))
 
 
 def make_params(p: Problem, device, gen):
@@ -43,36 +45,20 @@ def make_params(p: Problem, device, gen):
 
 
 def make_cache(p: Problem, num_slots, precision, window, max_draft, device, buffer_dtype=torch.bfloat16):
-    if p.arch == "mamba2":
-        H, P, N, G = p.dims
-        c = rs.Mamba2Cache(num_slots, H, P, N, ngroups=G, window=window, max_draft=max_draft,
-                           precision=precision, device=device, buffer_dtype=buffer_dtype)
-    else:
-        HK, HV, K, V = p.dims
-        c = rs.GDNCache(num_slots, HK, HV, K, V, window=window, max_draft=max_draft,
-                        precision=precision, device=device, buffer_dtype=buffer_dtype)
-    return c
+    return LAYERS[p.arch].cache(p.dims, num_slots, window=window, max_draft=max_draft, precision=precision,
+                                device=device, buffer_dtype=buffer_dtype)
 
 
 def replay_call(p: Problem, cache, slots, inp, prm, verify: bool, backend=None):
-    """One ReplaySSM decode (T = 1) or verify call."""
-    sq = (lambda t: t) if verify else (lambda t: t[:, 0])
-    if p.arch == "mamba2":
-        fn = rs.mamba2_verify if verify else rs.mamba2_decode
-        return fn(cache, slots, sq(inp["x"]), sq(inp["dt"]), prm["A"], sq(inp["B"]), sq(inp["C"]),
-                  prm["D"], sq(inp["z"]), prm["dt_bias"], True, backend=backend)
-    fn = rs.gdn_verify if verify else rs.gdn_decode
-    return fn(cache, slots, sq(inp["q"]), sq(inp["k"]), sq(inp["v"]), sq(inp["g"]), sq(inp["beta"]),
-              use_qk_l2norm=True, backend=backend)
+    """One ReplaySSM decode (T = 1) or verify call; outputs [b, H, P] (decode) or [b, T, H, P]."""
+    y = LAYERS[p.arch].call(cache, slots, inp, prm, verify, backend)
+    return y if verify else y[:, 0]
 
 
 def state_shape(p: Problem) -> tuple:
-    """Per-sequence state shape: Mamba-2 [H, P, N], GDN [HV, V, K]."""
-    if p.arch == "mamba2":
-        H, P, N, _ = p.dims
-        return (H, P, N)
-    _, HV, K, V = p.dims
-    return (HV, V, K)
+    """Per-sequence state shape [H, P, N] (Mamba-2 [nheads, headdim, dstate], GDN [HV, V, K])."""
+    H, P, N, _ = p.dims
+    return (H, P, N)
 
 
 def conventional_call(p: Problem, state, slots, inp, prm, inter=None):
@@ -81,7 +67,7 @@ def conventional_call(p: Problem, state, slots, inp, prm, inter=None):
         dt = torch.nn.functional.softplus(inp["dt"] + prm["dt_bias"])
         y = mamba2_conventional(state, slots, inp["x"], dt, prm["A"], inp["B"], inp["C"], prm["D"], inter)
         return y * torch.nn.functional.silu(inp["z"].float())
-    K = p.dims[2]
+    K = p.dims.N
     q, k = l2norm(inp["q"]) * K ** -0.5, l2norm(inp["k"])
     return gdn_conventional(state, slots, q, k, inp["v"], inp["g"], inp["beta"].float(), inter)
 

@@ -2,7 +2,7 @@
 
 With residuals u_j = beta_j (v_j - alpha_j S_{j-1} k_j), S_j = alpha_j S_{j-1} + u_j k_j^T: the
 Mamba-2 form with u in place of v. The residuals of a window solve the unit lower-triangular
-system (DESIGN §2)
+system (docs/design.md, section 2)
 
     u_j + sum_{i<j} beta_j gamma_{i+1:j} (k_i . k_j) u_i = beta_j (v_j - gamma_{1:j} S0 k_j).
 

@@ -9,28 +9,28 @@ next-token distributions are compared:
   for the text's actual next token x_t;
 - ``max_abs_dlogp``; ``ppl`` (perplexity of the preset on the text) and ``ppl_stock``.
 
-The first ``prefix`` tokens are a prefill (the stock path, which seeds the checkpoints); every
+The first ``prefix`` tokens are a prefill (the stock path, whose final state becomes the checkpoints); every
 later position is a decode step, so refreshes happen every ``window`` tokens as in generation.
 
-    python -m replayssm.integrations.evalkl --model models/tiny-mamba2 --text-file held_out.txt
+    replayssm eval-kl --model models/tiny-mamba2-kjv --text-file models/kjv_heldout.txt
 """
 from __future__ import annotations
 
-import argparse
-import json
 import math
+import sys
 
 import torch
 
-DEFAULT_PRESETS = ("s32_rs", "tp8_hi32", "tp4_hi16_sr", "f4_sr_rs")
+from ..precision import REPRODUCTION_PRESETS as DEFAULT_PRESETS
 
 __all__ = ["teacher_forced_logprobs", "eval_kl", "DEFAULT_PRESETS"]
 
 
 @torch.no_grad()
-def teacher_forced_logprobs(model, ids, prefix: int = 1):
+def teacher_forced_logprobs(model, ids, prefix: int = 1, progress=None):
     """Log-probs [n - prefix, V] (fp32) of positions prefix .. n-1 given the text before them:
-    one prefill of ``prefix`` tokens, then one decode step per token. ids: LongTensor [1, n]."""
+    one prefill of ``prefix`` tokens, then one decode step per token. ids: LongTensor [1, n].
+    ``progress``: an object with ``update(n)``, told of every position."""
     from transformers import DynamicCache
     if ids.dim() != 2 or ids.shape[0] != 1:
         raise ValueError("ids must be [1, n]")
@@ -43,6 +43,8 @@ def teacher_forced_logprobs(model, ids, prefix: int = 1):
     for t in range(prefix, n - 1):
         out = model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True)
         rows.append(out.logits[0, -1].float().log_softmax(-1))
+        if progress is not None:
+            progress.update(1)
     return torch.stack(rows)
 
 
@@ -55,19 +57,20 @@ def _summary(ref, lp, targets):
 
 
 def eval_kl(model, ids, presets=DEFAULT_PRESETS, prefix: int = 1, window: int = 16, seed: int = 0,
-            buffer_dtype=torch.float32) -> dict:
+            buffer_dtype=torch.float32, progress=None) -> dict:
     """{preset: {mean_kl, p95_abs_dlogp, max_abs_dlogp, ppl, ppl_stock, positions}} for one text.
 
     ``model`` must not be patched (the stock reference runs first). ``ids`` LongTensor [1, n].
+    ``progress`` is told of every decoded position ((1 + len(presets)) * (n - prefix - 1) in all).
     """
     from .transformers import patch  # lazy: the CLI can register eval-kl without transformers
-    ref = teacher_forced_logprobs(model, ids, prefix)
+    ref = teacher_forced_logprobs(model, ids, prefix, progress)
     targets = ids[0, prefix:].to(ref.device)
     ppl_stock = math.exp(-ref.gather(-1, targets[:, None]).mean().item())
     out = {}
     for name in presets:
         with patch(model, precision=name, window=window, seed=seed, buffer_dtype=buffer_dtype):
-            lp = teacher_forced_logprobs(model, ids, prefix)
+            lp = teacher_forced_logprobs(model, ids, prefix, progress)
         out[name] = {**_summary(ref, lp, targets), "ppl_stock": ppl_stock, "positions": int(targets.numel())}
     return out
 
@@ -81,38 +84,10 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """Arguments of ``replayssm eval-kl`` (for the CLI: ``evalkl.add_arguments(sub.add_parser("eval-kl"))``)."""
-    ap.add_argument("--model", required=True, help="a saved transformers model folder")
-    ap.add_argument("--text-file", required=True, help="UTF-8 text; byte-level models read its bytes")
-    ap.add_argument("--max-tokens", type=int, default=1024)
-    ap.add_argument("--prefix", type=int, default=1)
-    ap.add_argument("--window", type=int, default=16)
-    ap.add_argument("--presets", default=",".join(DEFAULT_PRESETS))
-    ap.add_argument("--json", action="store_true")
-    ap.set_defaults(func=run)
-
-
-def run(args) -> int:
-    from transformers import AutoModelForCausalLM
-    torch.set_num_threads(min(4, torch.get_num_threads()))
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
-    if model.config.vocab_size == 256:  # byte level
-        ids = torch.tensor([list(open(args.text_file, "rb").read()[: args.max_tokens])], dtype=torch.long)
-    else:
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(args.model)
-        ids = tok(open(args.text_file).read(), return_tensors="pt").input_ids[:, : args.max_tokens]
-    res = eval_kl(model, ids, presets=args.presets.split(","), prefix=args.prefix, window=args.window)
-    print(json.dumps(res, indent=1) if args.json else format_table(res))
-    return 0
-
-
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="replayssm eval-kl", description=__doc__.split("\n\n")[0])
-    add_arguments(ap)
-    args = ap.parse_args(argv)
-    return args.func(args)
+    """``python -m replayssm.integrations.evalkl`` = ``replayssm eval-kl``."""
+    from ..cli import main as cli_main
+    return cli_main(["eval-kl", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
 """Mamba-2 ReplaySSM in PyTorch: the fold (refresh) and the output-only form.
 
-One head, h buffered tokens after the checkpoint S0 (DESIGN §2):
+One head, h buffered tokens after the checkpoint S0 (docs/design.md, section 2):
 
     S_h = gamma_{1:h} S0 + sum_j gamma_{j+1:h} v_j k_j^T,        v_j = dt_j x_j, k_j = B_j
     y_s = gamma_{1:t} S0 q_s + sum_{j<=t} gamma_{j+1:t} (k_j . q_s) v_j,   t = h + s, q = C
 
-Decays come from fp32 cumulative sums of log(alpha) as exp(c_t - c_j), masked before the
+Decays are exponents of fp32 segment sums of log(alpha) (``step.segment_log_decay``: each
+segment summed directly, not as the difference c_t - c_j of two prefix sums), masked before the
 exponent. No per-token [P, N] state is ever formed in the output path.
 Buffer entries of positions past the valid count arrive zeroed (``ReplayCache.gather``), so they
 contribute nothing and do not decay.
