@@ -285,12 +285,16 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
 def parse_shape(text: str) -> dict:
     """``TUNING`` overrides from a sweep label: "RxW" = R rows per program, W warps; then optional
     "v" and the pinned elements per thread, "o" (outputs' products on tensor cores), "k" and the
-    chunks in flight of a streamed read copy (2 if none given). E.g. "32x1", "32x1v16", "64x4ok3"."""
-    m = re.fullmatch(r"(\d+)x(\d+)(?:v(\d+))?(o)?(?:k(\d*))?(?:s(\d*))?(?:n(\d+))?(?:r(\d+))?", text)
+    chunks in flight of a streamed read copy (2 if none given), "s" (a refresh launch of its own,
+    optionally with its warps) or "f" (the refresh a branch of the step), "n" and the fold's
+    pipeline stages, "r" and a register cap. E.g. "32x1", "32x1v16", "64x4ok3", "32x1v16s2n3", "32x1f"."""
+    m = re.fullmatch(r"(\d+)x(\d+)(?:v(\d+))?(o)?(?:k(\d*))?(?:s(\d*)|(f))?(?:n(\d+))?(?:r(\d+))?", text)
     if not m:
         raise ValueError(f"cannot read the shape label {text!r} (e.g. '32x1', '32x1v16', '64x4ok3')")
-    rows, warps, pin, dot, stream, split, stages, maxnreg = m.groups()
+    rows, warps, pin, dot, stream, split, fused, stages, maxnreg = m.groups()
     out = dict(rows=int(rows), warps=int(warps))
+    if fused:
+        out["split"] = False
     if split is not None:
         out["split"] = True
         if split:
