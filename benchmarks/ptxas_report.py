@@ -153,7 +153,7 @@ def main(argv=None):
                 if shape != "default":
                     launch.TUNING.update(launch.parse_shape(shape))
                 for kernel, a, kw in record_step(arch, preset, args.draft):
-                    if "step" not in kernel.fn.__name__ and "refresh" not in kernel.fn.__name__:
+                    if not any(part in kernel.fn.__name__ for part in ("step", "refresh", "scores")):
                         continue
                     if args.instructions:
                         os.makedirs(args.instructions, exist_ok=True)
@@ -162,7 +162,7 @@ def main(argv=None):
                             f.write("\n".join(instructions(compile_sm90(kernel, a, kw))) + "\n")
                         continue
                     res = assemble(kernel, a, kw)
-                    shown = f"{kw.get('BV', kw['FR'])}x{kw['num_warps']}"
+                    shown = f"{kw.get('BV', kw.get('FR', '-'))}x{kw.get('num_warps', 4)}"
                     print(f"{arch:7s} {preset:12s} {shown:8s} {kernel.fn.__name__:24s} {res['registers']:4d} "
                           f"{res['spill_stores']:5d}/{res['spill_loads']:<5d} {res['stack']:5d} {res['shared']:6d} "
                           f"{res['sass']:6d} {res['shfl']:5d}",

@@ -328,6 +328,16 @@ def refresh_columns(cache, arch: str) -> int:
     fit in registers together. A multiple of 32 (one fp8 scale block), or the whole row with
     NVFP4, whose global scale spans the row block. The column count never changes a fold's bits
     (each element's product sums over the window, whatever the slice)."""
-    if _uses_nvfp4(cache):
+    if _uses_nvfp4(cache) and not read_copy_after_fold(cache):
         return cache.dk
     return min(cache.dk, REFRESH_COLUMNS_BY_ANCHOR.get((arch, cache.precision.anchor.name), REFRESH_COLUMNS))
+
+
+def read_copy_after_fold(cache) -> bool:
+    """Whether a refresh encodes the read copy after the fold, from the fp32 anchor rows it has just
+    stored (the unrounded state, bit for bit), instead of beside the anchor slice by slice: for an
+    NVFP4 read copy of an fp32 anchor, whose global scale spans whole rows. The fold then runs the
+    same column slices as every other fp32-anchored preset, so its anchor bits are theirs (folding
+    whole rows at once gave other bits on an H200)."""
+    p = cache.precision
+    return not p.shared and p.read_format.name == "nvfp4" and p.anchor.name == "fp32"

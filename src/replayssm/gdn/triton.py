@@ -39,7 +39,7 @@ from .._triton.launch import after_previous_launch
 from .._triton.decay import segment_to, suffix_sums
 from .._triton.window import slot_cursor, slot_row, step_cursor, window_rows, window_scalars
 from .._triton.formats import (column, load_query, load_read, load_tile, matvec, pin_vector_width,
-                               products_on_tensor_cores, streamed_products, write_checkpoint)
+                               products_on_tensor_cores, store_tile, streamed_products, write_checkpoint)
 
 
 @triton.jit
@@ -48,26 +48,28 @@ def _residual_inverse(bg_ptr, bbeta_ptr, row, vhead, h, gram, HV, L: tl.constexp
     """For value head ``vhead`` of a slot due to refresh (h committed entries): ((I + M)^{-1}
     [LP, LP], e^{c_j} [LP], e^{g(j, h)} [LP], e^{c_h}), the vectors zero past h. M[j, i] =
     beta_j e^{g(i, j]} gram[j, i] for i < j < h is strictly lower triangular, so M^LP = 0 and
-    (I + M)^{-1} = (I - M)(I + M^2)(I + M^4)...(I + M^{LP/2}): log2(LP) tensor-core products
-    instead of LP dependent substitution steps (SQUARINGS = log2(LP) - 1)."""
+    (I + M)^{-1} = (I - M)(I + M^2)(I + M^4)...(I + M^{LP/2}): log2(LP) products (SQUARINGS =
+    log2(LP) - 1) instead of LP dependent substitution steps. Products in IEEE fp32 (FMAs): [LP, LP]
+    is too small for tensor cores to pay, and the segment sums g(i, j] = (lower-triangular g) x
+    (strict upper ones) stay sums of the segment's own terms."""
     jr = tl.arange(0, LP)[:, None]  # row (entry j)
     ic = tl.arange(0, LP)[None, :]  # column (entry i)
     j = tl.arange(0, LP)
     old = j < h
     g_c = tl.load(bg_ptr + (row * L + j) * HV + vhead, mask=old, other=0.0)
     beta_c = tl.load(bbeta_ptr + (row * L + j) * HV + vhead, mask=old, other=0.0)
-    ec = tl.where(old, tl.exp(tl.sum(tl.where(ic <= jr, g_c[None, :], 0.0), 1)), 0.0)
+    through = tl.where(ic <= jr, g_c[None, :], 0.0)  # [j, k]: g_k for k <= j
+    ec = tl.where(old, tl.exp(tl.sum(through, 1)), 0.0)
     es = tl.where(old, tl.exp(suffix_sums(g_c, h)), 0.0)
-    k3 = tl.arange(0, LP)[None, None, :]
-    seg = tl.sum(tl.where((k3 > ic[:, :, None]) & (k3 <= jr[:, :, None]), g_c[None, None, :], 0.0), 2)  # g(i, j]
+    seg = tl.dot(through, tl.where(jr > ic, 1.0, 0.0), input_precision="ieee")  # [j, i]: g(i, j]
     lower = (ic < jr) & (jr < h)
     M = tl.where(lower, beta_c[:, None] * tl.exp(tl.where(lower, seg, 0.0)) * gram, 0.0)
     eye = tl.where(jr == ic, 1.0, 0.0)
     X = eye - M
     power = M
     for _ in tl.static_range(SQUARINGS):  # factors (I + M^2), (I + M^4), ..., (I + M^{LP/2})
-        power = tl.dot(power, power, input_precision="tf32x3")
-        X = tl.dot(X, eye + power, input_precision="tf32x3")
+        power = tl.dot(power, power, input_precision="ieee")
+        X = tl.dot(X, eye + power, input_precision="ieee")
     return X, ec, es, tl.exp(tl.sum(g_c, 0))
 
 
@@ -102,8 +104,8 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, bb
     if need:  # the refresh's solve, at this launch's shape for every preset
         K_c = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :], mask=(j < h)[:, None],
                       other=0.0).to(tl.float32)
-        gram = tl.dot(K_c, tl.trans(K_c), input_precision="tf32x3")  # k_j . k_i
-        for vv in tl.static_range(RATIO):
+        gram = tl.dot(K_c, tl.trans(K_c), input_precision="ieee")  # k_j . k_i
+        for vv in tl.range(0, RATIO):  # a loop, not unrolled: registers
             vhead = khead * RATIO + vv
             X, ec, es, total = _residual_inverse(bg_ptr, bbeta_ptr, row, vhead, h, gram, HV, L, LP, SQUARINGS)
             base = (pid_b * HV + vhead) * LP
@@ -127,7 +129,8 @@ def _gdn_refresh_rows(pid_b, head, khead, row, h, r0, seeds_ptr, tokens_ptr, tin
                       av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, HV, HK,
                       L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
                       FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
-                      R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr):
+                      R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr,
+                      READ_AFTER: tl.constexpr):
     """Refresh rows r0 .. r0 + BV of value head ``head`` of storage row ``row`` (h committed
     entries, batch row ``pid_b``), FR rows at a time: the residual solve and fold of the module
     docstring, then the encode of KC columns at a time."""
@@ -165,7 +168,12 @@ def _gdn_refresh_rows(pid_b, head, khead, row, h, r0, seeds_ptr, tokens_ptr, tin
             S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT) * total
             S += tl.dot(U, K_part, input_precision="tf32x3")
             write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, cols, seed,
-                             tokens, DV, DK, A_FMT, A_SR, R_FMT, R_SR, SHARED)
+                             tokens, DV, DK, A_FMT, A_SR, R_FMT, R_SR, SHARED or READ_AFTER)
+        if READ_AFTER:  # the read copy from the fp32 anchor rows just stored: the unrounded state
+            tl.debug_barrier()
+            ck = tl.arange(0, DK)
+            store_tile(load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT), rv_ptr, rs_ptr, rg_ptr, mat,
+                       gidx, head, rv, ck, seed, tokens * 2 + 1, DV, DK, R_FMT, R_SR)
 
 
 @triton.jit
@@ -174,7 +182,7 @@ def _gdn_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
                         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
                         FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
                         R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr,
-                        PDL: tl.constexpr):
+                        READ_AFTER: tl.constexpr, PDL: tl.constexpr):
     """The refresh in a launch of its own (``StepShape.split``): one program per FR rows of a value
     head and batch row; programs of slots that are not due exit."""
     after_previous_launch(PDL)
@@ -184,7 +192,7 @@ def _gdn_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
     if need:
         _gdn_refresh_rows(pid_b, head, head // (HV // HK), row, h, pid_v * FR, seeds_ptr, tokens_ptr, tinv_ptr,
                           decays_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, HV,
-                          HK, L, LP, DV, DK, FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES)
+                          HK, L, LP, DV, DK, FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
 
 
 @triton.jit
@@ -236,7 +244,8 @@ def _gdn_step_kernel(
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr, STREAM: tl.constexpr,
-        PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
+        PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr,
+        PDL: tl.constexpr):
     after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -252,7 +261,7 @@ def _gdn_step_kernel(
         if need:  # refresh: re-solve the committed residuals from the anchor, fold, encode
             _gdn_refresh_rows(pid_b, head, khead, row, h, pid_v * BV, seeds_ptr, tokens_ptr, tinv_ptr, decays_ptr,
                               av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, HV, HK, L,
-                              LP, DV, DK, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES)
+                              LP, DV, DK, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
             tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
     h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
     # the read copy in its own layout (the anchor itself when shared; with STREAM never whole),
@@ -330,10 +339,12 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
                kn, qn, scores, tinv, decays, float(scale), cache.scratch_row, HK, HV, T=T, L=cache.window, LP=LP,
                DK=K, RATIO=HV // HK, SQUARINGS=LP.bit_length() - 2, NORM=normalize)
     FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "gdn")
+    read_after = launch.read_copy_after_fold(cache)
     if shape.split:
         launch.run(_gdn_refresh_kernel, (V // FR, HV, b), slots, cursors, cache.tokens, cache.seeds, tinv, decays,
                    *anchor, *read, buf["k"], buf["v"], buf["beta"], cache.scratch_row, HV, HK, T=T, L=cache.window,
-                   LP=LP, DV=V, DK=K, FR=FR, KC=KC, STAGES=shape.stages, num_warps=shape.refresh_warps, **consts)
+                   LP=LP, DV=V, DK=K, FR=FR, KC=KC, STAGES=shape.stages, READ_AFTER=read_after,
+                   num_warps=shape.refresh_warps, **consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
     launch.run(
         _gdn_step_kernel, (V // shape.rows, HV, b),
@@ -342,6 +353,6 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
         qn, kn, v, g, beta, scores, o, cache.scratch_row, HV, HK,
         T=T, L=cache.window, LP=LP, DV=V, DK=K, BV=shape.rows, FR=FR, KC=KC, OUTPUT_DOT=shape.output_dot,
         QP=max(16, triton.next_power_of_2(2 * T)), STREAM=shape.stream, PIN=shape.pin, REFRESH=not shape.split,
-        STAGES=shape.stages, num_warps=shape.warps, **extra, **consts)
+        STAGES=shape.stages, READ_AFTER=read_after, num_warps=shape.warps, **extra, **consts)
     launch.advance(cache, slots, T, commit, {"k": kn, "g": g, "beta": beta})
     return o

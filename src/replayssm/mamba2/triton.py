@@ -29,7 +29,8 @@ from .._triton import launch
 from .._triton.launch import after_previous_launch
 from .._triton.decay import segment_to
 from .._triton.window import slot_cursor, slot_row, step_cursor, window_rows, window_scalars
-from .._triton.formats import load_query, load_read, load_tile, matvec, pin_vector_width, write_checkpoint
+from .._triton.formats import (load_query, load_read, load_tile, matvec, pin_vector_width, store_tile,
+                               write_checkpoint)
 
 
 @triton.jit
@@ -84,7 +85,8 @@ def _mamba2_refresh_rows(pid_b, head, row, h, r0, seeds_ptr, tokens_ptr, fold_w_
                          av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, H, G,
                          L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
                          FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
-                         R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr):
+                         R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr,
+                         READ_AFTER: tl.constexpr):
     """Refresh rows r0 .. r0 + BV of one head of storage row ``row`` (h committed entries): fold
     FR rows by KC columns at a time, S = gamma_h S_anchor + (x_j w_j)_j B^T, and encode them."""
     mat = row * H + head
@@ -108,7 +110,12 @@ def _mamba2_refresh_rows(pid_b, head, row, h, r0, seeds_ptr, tokens_ptr, fold_w_
             S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT) * decay
             S += tl.dot(XW, B_c.to(tl.float32), input_precision="tf32x3")
             write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, cols, seed,
-                             tokens, DV, DK, A_FMT, A_SR, R_FMT, R_SR, SHARED)
+                             tokens, DV, DK, A_FMT, A_SR, R_FMT, R_SR, SHARED or READ_AFTER)
+        if READ_AFTER:  # the read copy from the fp32 anchor rows just stored: the unrounded state
+            tl.debug_barrier()
+            ck = tl.arange(0, DK)
+            store_tile(load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT), rv_ptr, rs_ptr, rg_ptr, mat,
+                       gidx, head, rv, ck, seed, tokens * 2 + 1, DV, DK, R_FMT, R_SR)
 
 
 @triton.jit
@@ -117,7 +124,7 @@ def _mamba2_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w
                            T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
                            FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
                            R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr,
-                           PDL: tl.constexpr):
+                           READ_AFTER: tl.constexpr, PDL: tl.constexpr):
     """The refresh in a launch of its own (``StepShape.split``): one program per FR rows of a head
     and batch row; programs of slots that are not due exit."""
     after_previous_launch(PDL)
@@ -127,7 +134,7 @@ def _mamba2_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w
     if need:
         _mamba2_refresh_rows(pid_b, head, row, h, pid_v * FR, seeds_ptr, tokens_ptr, fold_w_ptr, fold_decay_ptr,
                              av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, H, G, L, LP, DV, DK,
-                             FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES)
+                             FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
 
 
 @triton.jit
@@ -164,7 +171,7 @@ def _mamba2_step_kernel(
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, PIN: tl.constexpr, REFRESH: tl.constexpr,
-        STAGES: tl.constexpr, PDL: tl.constexpr):
+        STAGES: tl.constexpr, READ_AFTER: tl.constexpr, PDL: tl.constexpr):
     after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -181,7 +188,7 @@ def _mamba2_step_kernel(
         if need:  # refresh: fold the h committed entries into a new checkpoint, from the anchor
             _mamba2_refresh_rows(pid_b, head, row, h, pid_v * BV, seeds_ptr, tokens_ptr, fold_w_ptr, fold_decay_ptr,
                                  av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, H, G, L, LP, DV, DK,
-                                 BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES)
+                                 BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
             tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
     h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
     # the read copy in its own layout (the anchor itself when shared), then everything else a
@@ -245,10 +252,12 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
                log_alpha, cache.scratch_row, H, G, T=T, L=cache.window, LP=LP, DK=N,
                HG=triton.next_power_of_2(H // G), HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus))
     FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "mamba2")
+    read_after = launch.read_copy_after_fold(cache)
     if shape.split:
         launch.run(_mamba2_refresh_kernel, (P // FR, H, b), slots, cursors, cache.tokens, cache.seeds, fold_w,
                    fold_decay, *anchor, *read, buf["x"], buf["B"], cache.scratch_row, H, G, T=T, L=cache.window,
-                   LP=LP, DV=P, DK=N, FR=FR, KC=KC, STAGES=shape.stages, num_warps=shape.refresh_warps, **consts)
+                   LP=LP, DV=P, DK=N, FR=FR, KC=KC, STAGES=shape.stages, READ_AFTER=read_after,
+                   num_warps=shape.refresh_warps, **consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
     launch.run(
         _mamba2_step_kernel, (P // shape.rows, H, b),
@@ -257,7 +266,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
         x, dt, log_alpha, C, x if D is None else D, x if z is None else z, scores, y,
         cache.scratch_row, H, G,
         T=T, L=cache.window, LP=LP, DV=P, DK=N, BV=shape.rows, FR=FR, KC=KC, HAS_D=D is not None,
-        HAS_Z=z is not None, PIN=shape.pin, REFRESH=not shape.split, STAGES=shape.stages, num_warps=shape.warps,
-        **extra, **consts)
+        HAS_Z=z is not None, PIN=shape.pin, REFRESH=not shape.split, STAGES=shape.stages, READ_AFTER=read_after,
+        num_warps=shape.warps, **extra, **consts)
     launch.advance(cache, slots, T, commit, {"dt": dt, "log_alpha": log_alpha, "B": B})
     return y
