@@ -347,6 +347,8 @@ class ReplayCache:
             v = sd.get(k)
             if not isinstance(v, torch.Tensor) or v.shape != t.shape or v.dtype != t.dtype:
                 raise ValueError(f"state_dict entry {k!r} is missing or has the wrong shape/dtype")
+            if v.is_meta:  # holds no data: its copy would fail after earlier entries were copied
+                raise ValueError(f"state_dict entry {k!r} is on the meta device (no data)")
         self._check_cursors({k: sd[k].to(self.device) for k in ("committed", "pending", "refreshes", "tokens")})
         for k, t in mine.items():
             t.copy_(sd[k])
