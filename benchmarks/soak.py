@@ -193,11 +193,11 @@ class Soak:
         self.ref = torch.zeros(num_slots, *self.layer.state_shape, dtype=torch.float64, device=device)
         self.n_requests, self.min_len, self.max_len = requests, min_len, max_len
         self.p = dict(spec=p_spec, preempt=p_preempt, fork=p_fork, save=p_save, empty=p_empty)
-        self.nan_ids = set(self.rng.sample(range(requests), min(nan_requests, requests)))
+        self.nan_ids = set(self.rng.sample(range(requests), min(nan_requests, requests)))  # by creation order
         self.max_rounds, self.budget_s = max_rounds, budget_s
         self.slots: list[Request | None] = [None] * num_slots
         self.waiting: list[Request] = []
-        self.created = 0
+        self.created = self.arrived = 0  # all requests; those that arrived (not forked)
         self.f = dict(requests_finished=0, tokens=0, rounds=0, decode_calls=0, verify_calls=0,
                       drafts=0, drafts_accepted=0, preemptions=0, resumes=0, forks=0, restores=0,
                       restores_pending=0, resets=0, loads=0, nan_requests=0, nan_fed=0,
@@ -280,8 +280,9 @@ class Soak:
     def arrive(self):
         """0-2 new requests, while the queue is shorter than the batch (admission control)."""
         for _ in range(self.rng.choice([0, 0, 1, 1, 2])):
-            if self.created >= self.n_requests or len(self.waiting) >= self.num_slots:
+            if self.arrived >= self.n_requests or len(self.waiting) >= self.num_slots:
                 return
+            self.arrived += 1
             empty = self.rng.random() < self.p["empty"]  # empty prompt: the slot is just reset
             self.waiting.append(self._new_request(None if empty else "prefill", None))
 
@@ -333,7 +334,8 @@ class Soak:
 
     def fork(self):
         cands = [r for r in self._running() if r.done > 0 and not r.poisoned]
-        if not cands or self.rng.random() >= self.p["fork"] or self.created + 2 > self.n_requests:
+        # forked requests come on top of the arrivals, up to a tenth of them (at least one fork)
+        if not cands or self.rng.random() >= self.p["fork"] or self.f["forks"] >= max(1, self.n_requests // 20):
             return
         r = self.rng.choice(cands)
         S = self._state_check([r])[r.rid]
@@ -442,7 +444,7 @@ class Soak:
 
     def run(self):
         t0 = time.perf_counter()
-        while self.created < self.n_requests or self.waiting or self._running():
+        while self.arrived < self.n_requests or self.waiting or self._running():
             if self.max_rounds is not None and self.f["rounds"] >= self.max_rounds:
                 break
             if self.budget_s is not None and time.perf_counter() - t0 > self.budget_s:
