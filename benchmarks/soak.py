@@ -205,6 +205,7 @@ class Soak:
                       int32_calls=0, token_mismatches=0, max_abs_err=0.0, max_rel_err=0.0,
                       max_state_rel_err=0.0, max_ref=0.0)
         self.seconds = 0.0
+        self.stopped_by_budget = False
 
     # ---- helpers ---------------------------------------------------------------------------
     def _ids(self, ids):
@@ -453,6 +454,7 @@ class Soak:
             if self.max_rounds is not None and self.f["rounds"] >= self.max_rounds:
                 break
             if self.budget_s is not None and time.perf_counter() - t0 > self.budget_s:
+                self.stopped_by_budget = True
                 break
             self.arrive()
             self.admit()
@@ -472,7 +474,8 @@ class Soak:
     def figures(self) -> dict:
         return {"arch": self.arch, "preset": self.preset, "backend": self.backend,
                 "requests": self.created, **self.f, "output_bound": output_bound(self.preset),
-                "state_bound": state_bound(self.preset), "seconds": round(self.seconds, 2)}
+                "state_bound": state_bound(self.preset), "seconds": round(self.seconds, 2),
+                "stopped_by_budget": self.stopped_by_budget}
 
     def check(self, out_bound=None, st_bound=None):
         """Raise AssertionError unless no token was lost or counted twice and the errors are
@@ -538,6 +541,9 @@ def main(argv=None):
               f"{f['rounds']:6d} {f['preemptions']:7d} {f['forks']:5d} {f['restores']:7d} "
               f"{f['nan_requests']:3d} {f['max_rel_err']:9.2e} {f['output_bound']:7.0e} "
               f"{f['max_state_rel_err']:9.2e} {f['token_mismatches']:8d} {f['seconds']:6.1f} {f['ok']}")
+    short = [f"{f['arch']}:{f['preset']}" for f in results if f["stopped_by_budget"]]
+    if short:
+        print(f"stopped by the time budget before {a.steps} rounds: {' '.join(short)}")
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(results, fh, indent=1)

@@ -349,7 +349,7 @@ class ReplayCache:
                 raise ValueError(f"state_dict entry {k!r} is missing or has the wrong shape/dtype")
             if v.is_meta:  # holds no data: its copy would fail after earlier entries were copied
                 raise ValueError(f"state_dict entry {k!r} is on the meta device (no data)")
-        self._check_cursors({k: sd[k].to(self.device) for k in ("committed", "pending", "refreshes", "tokens")})
+        self._check_cursors({k: sd[k] for k in ("committed", "pending", "refreshes", "tokens")})
         for k, t in mine.items():
             t.copy_(sd[k])
 

@@ -24,7 +24,8 @@ def l2norm(x, eps=1e-6):
 
 def _check(cache, slots, q, k, v, g, beta, scale, draft: bool):
     """Validate every argument; returns the slots as contiguous int64."""
-    b = checks.check_slots(cache, slots)
+    slots = checks.slot_ids(cache, slots)
+    b = slots.shape[0]
     HK, HV, K, V = cache.num_k_heads, cache.num_v_heads, cache.head_k_dim, cache.head_v_dim
     T = q.shape[1] if draft and isinstance(q, torch.Tensor) and q.dim() == 4 else 1
     if draft:
@@ -40,7 +41,7 @@ def _check(cache, slots, q, k, v, g, beta, scale, draft: bool):
         raise ValueError(f"scale must be a float or None, got {scale!r}")
     checks.check_finite_nonpositive("g", g, cache)
     checks.check_no_pending(cache, slots)
-    return checks.slot_ids(cache, slots)
+    return slots
 
 
 def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend):

@@ -19,7 +19,8 @@ from . import replay
 
 def _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft: bool):
     """Validate every argument; returns (slots as contiguous int64, T)."""
-    b = checks.check_slots(cache, slots)
+    slots = checks.slot_ids(cache, slots)
+    b = slots.shape[0]
     H, P, N, G = cache.nheads, cache.headdim, cache.dstate, cache.ngroups
     T = x.shape[1] if draft and isinstance(x, torch.Tensor) and x.dim() == 4 else 1
     if draft:
@@ -36,7 +37,7 @@ def _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft: bool):
     checks.check_tensor("dt_bias", dt_bias, (H,), dev, optional=True)
     checks.check_finite_nonpositive("A", A, cache)
     checks.check_no_pending(cache, slots)
-    return checks.slot_ids(cache, slots), T
+    return slots, T
 
 
 def _step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, commit, backend):
