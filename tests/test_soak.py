@@ -26,9 +26,10 @@ SIZES = {"reference": dict(requests=300, num_slots=6), "preset": dict(requests=4
          "triton": dict(requests=6, num_slots=3)}
 COMMON = dict(window=8, max_draft=3, max_len=24, p_preempt=0.08, p_fork=0.08, p_save=0.05, seed=7)
 
-#: Bound on the relative output error of a call by storage format, at unit-scale inputs and fp32
+#: Bound on the relative output error of a run by storage format, at unit-scale inputs and fp32
 #: buffers (a preset's bound is the larger of its anchor's and its read copy's, as in the
-#: two-precision tests; drift of stochastically rounded anchors over preemptions included).
+#: two-precision tests; drift of stochastically rounded anchors over preemptions included). One
+#: call may reach twice the bound (``Soak.check``); materialized states are bounded by the anchor's.
 BOUND = {"fp32": S32_TOL, "fp16": 4e-3, "bf16": 3e-2, "fp8_e4m3": 0.1, "nvfp4": 0.5}
 
 
@@ -42,9 +43,11 @@ def _report(s, key):
     print(f"\n{key}: {f['requests']} requests, {f['tokens']} tokens, {f['rounds']} rounds, "
           f"{f['preemptions']} preemptions, {f['forks']} forks, {f['restores']} restores "
           f"({f['restores_pending']} with a verify pending), {f['nan_fed']} NaN/Inf feeds, "
-          f"max rel err {f['max_rel_err']:.2e} (abs {f['max_abs_err']:.2e}), state {f['max_state_rel_err']:.2e}, "
+          f"rel err {f['run_rel_err']:.2e} (worst call {f['max_rel_err']:.2e}, max abs {f['max_abs_err']:.2e}), "
+          f"state {f['max_state_rel_err']:.2e}, "
           f"lost/duplicated {f['token_mismatches']}")
-    record(f"soak {key} out rel", f["max_rel_err"])
+    record(f"soak {key} out rel", f["run_rel_err"])
+    record(f"soak {key} out rel worst call", f["max_rel_err"])
     record(f"soak {key} state rel", f["max_state_rel_err"])
     return f
 
