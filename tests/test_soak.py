@@ -7,7 +7,6 @@ import os
 import sys
 
 import pytest
-import torch
 
 import replayssm as rs
 from helpers import S32_TOL, record

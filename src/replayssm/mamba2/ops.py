@@ -44,8 +44,9 @@ def _step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, commit, back
     kind = pick_backend(cache, backend)
     if slots.shape[0] == 0:  # nothing to compute or store; the kernels' grids would be empty
         return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    if kind == "triton":
-        A, D, dt_bias = (None if t is None else t.contiguous() for t in (A, D, dt_bias))  # prepares dt and the log decay inside its kernels
+    if kind == "triton":  # prepares dt and the log decay inside its kernels
+        # the kernels index the per-head constants densely: a strided or expanded view is copied
+        A, D, dt_bias = (None if t is None else t.contiguous() for t in (A, D, dt_bias))
         from . import triton as kernels
         return kernels.step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, commit)
     dt = dt.float()
