@@ -74,7 +74,7 @@ def test_slots(arch):
     g = torch.Generator().manual_seed(1)
     args = _args(layer, g, 2)
     for bad in (torch.tensor([0, 3]), torch.tensor([-2, 0]), torch.tensor([1, 1]),
-                torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0.0, 1.0]),
+                torch.tensor([0, 1], dtype=torch.int16), torch.tensor([0.0, 1.0]),
                 torch.tensor([[0, 1]]), torch.tensor([0, 1], device=META), [0, 1]):
         _rejects(cache, lambda: _call(layer, cache, bad, args, False), "slots")
         _rejects(cache, lambda: cache.accept(bad, torch.zeros(2, dtype=torch.int64)), "slots")

@@ -14,12 +14,21 @@ to, so that a batch with pads needs no host-side filtering and no branch):
   ``refreshes`` (int64), ``tokens`` (int64, committed tokens since ``load_state``; the logical
   time that keys stochastic rounding), ``seeds`` (int64, per-slot rounding seed).
 
-A slot that was never loaded holds uninitialized memory: call ``load_state`` or ``reset`` first.
+Fresh storage is zero (NaN for float storage of real slots under ``poison_fresh_allocations``);
+the scratch row is always zero-initialized, so two caches built alike hold identical bytes. A slot
+that was never loaded holds no state of its own: call ``load_state`` or ``reset`` first.
+
+Every public method validates its arguments before writing (``checks``) and runs under
+``torch.no_grad()``: decoding is inference, and inputs that require grad must not make the
+storage part of an autograd graph that grows with every token.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import math
+import threading
 
 import torch
 
@@ -28,28 +37,56 @@ from .backend import pick_backend
 from .formats import random_bits
 from .precision import Precision, get_precision
 
-_POISON = False
 ROW_BLOCK = 32  #: rows of a head's state per storage block (see ``ReplayCache.__init__``)
+
+# Per thread, so that one thread's test switch never changes the caches another thread builds.
+_POISON = threading.local()
+
+
+def _poisoning() -> bool:
+    return getattr(_POISON, "on", False)
 
 
 @contextlib.contextmanager
-def poison_fresh_allocations():
-    """Fill every newly allocated float state/buffer with NaN (tests: reads of unwritten memory fail)."""
-    global _POISON
-    old, _POISON = _POISON, True
+def poison_fresh_allocations(enabled: bool = True):
+    """Within the block (in this thread only), fill the float storage of the real slots of every
+    newly built cache with NaN, so that reads of never-written memory show up (tests).
+    ``enabled=False`` turns it off inside an enclosing block."""
+    old = _poisoning()
+    _POISON.on = bool(enabled)
     try:
         yield
     finally:
-        _POISON = old
+        _POISON.on = old
 
 
-def _alloc(shape, dtype, device):
-    t = torch.empty(shape, dtype=dtype, device=device)
-    if t.is_floating_point():
-        t.fill_(float("nan") if _POISON else 0.0)
-    else:
-        t.zero_()
+def _alloc(shape, dtype, device, poison):
+    t = torch.zeros(shape, dtype=dtype, device=device)
+    if poison and t.is_floating_point():
+        t.fill_(float("nan"))
     return t
+
+
+def describe_precision(obj) -> str:
+    """Every field of a precision, its formats' fields included, as one string: two precisions
+    that round differently never describe alike, even under one name."""
+    if obj is None or isinstance(obj, (str, int, float, bool, torch.dtype)):
+        return repr(obj)
+    if dataclasses.is_dataclass(obj):
+        items = [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    else:
+        items = sorted(vars(obj).items())
+    inner = ", ".join(f"{k}={describe_precision(v)}" for k, v in items)
+    return f"{type(obj).__module__}.{type(obj).__qualname__}({inner})"
+
+
+def _inference(method):
+    """Run a public cache method under ``torch.no_grad()`` (see the module docstring)."""
+    @functools.wraps(method)
+    def wrapper(*args, **kwargs):
+        with torch.no_grad():
+            return method(*args, **kwargs)
+    return wrapper
 
 
 def _where_rows(mask, new, old):
@@ -85,15 +122,19 @@ class ReplayCache:
         self.check_values = True
         rows = num_slots + 1
         self.scratch_row = num_slots
+        poison = _poisoning()
         # Storage splits each head's rows into blocks of ROW_BLOCK rows, [rows, H, dv/rb, rb, dk]:
         # the same bytes for every format, except that NVFP4's per-matrix global scale becomes one
         # per (slot, head, row block), so a kernel program owning a row block can encode alone.
         self.row_block = rb = math.gcd(dv, ROW_BLOCK)
         shape = (rows, nheads, dv // rb, rb, dk)
-        self.anchor = self._alloc_parts(self.precision.anchor, shape)
-        self.read_copy = None if self.precision.shared else self._alloc_parts(self.precision.read, shape)
-        self.buffer = {name: _alloc((rows, window, *tail), dtype, self.device)
+        self.anchor = self._alloc_parts(self.precision.anchor, shape, poison)
+        self.read_copy = (None if self.precision.shared
+                          else self._alloc_parts(self.precision.read, shape, poison))
+        self.buffer = {name: _alloc((rows, window, *tail), dtype, self.device, poison)
                        for name, (tail, dtype) in buffer_fields.items()}
+        for t in self._storage():  # pads write and read here: deterministic, even when poisoned
+            t[self.scratch_row].zero_()
         self.committed = torch.zeros(rows, dtype=torch.int32, device=self.device)
         self.pending = torch.zeros(rows, dtype=torch.int32, device=self.device)
         self.refreshes = torch.zeros(rows, dtype=torch.int64, device=self.device)
@@ -102,13 +143,17 @@ class ReplayCache:
         # logical element index inside one slot's state: keys stochastic rounding
         self._offsets = torch.arange(nheads * dv * dk, device=self.device).view(nheads, dv // rb, rb, dk)
 
-    def _alloc_parts(self, fmt, shape):
-        parts = fmt.allocate(shape, self.device)
-        if _POISON:
+    def _alloc_parts(self, fmt, shape, poison):
+        parts = fmt.allocate(shape, self.device, fill=0)
+        if poison:
             for t in parts.values():
                 if t.is_floating_point() and t.element_size() > 1:
                     t.fill_(float("nan"))
         return parts
+
+    def _storage(self):
+        parts = [*self.anchor.values(), *self.buffer.values()]
+        return parts + ([] if self.read_copy is None else list(self.read_copy.values()))
 
     # ---- geometry ------------------------------------------------------------------------
     @property
@@ -189,13 +234,16 @@ class ReplayCache:
     def _fold(self, state, entries, count):  # pragma: no cover - abstract
         raise NotImplementedError
 
+    @_inference
     def load_state(self, slots, state, seeds=None):
-        """Seed checkpoints from full fp32 states [b, nheads, dv, dk]; empties the buffer.
+        """Seed checkpoints from full states [b, nheads, dv, dk] (fp32/fp16/bf16); empties the
+        buffer. ``slots`` int32/int64 [b] (-1 = pad, skipped).
 
         ``seeds`` (optional int64 [b]) sets each slot's stochastic-rounding seed; by default the
-        cache seed. Pad ids are skipped.
+        cache seed.
         """
-        b = checks.check_slots(self, slots)
+        slots = checks.slot_ids(self, slots)
+        b = slots.shape[0]
         checks.check_tensor("state", state, (b, *self.state_shape), self.device)
         checks.check_tensor("seeds", seeds, (b,), self.device, (torch.int64,), optional=True)
         rows, valid = self.rows_of(slots)
@@ -205,15 +253,19 @@ class ReplayCache:
             cur[rows] = torch.where(valid, zero.to(cur.dtype), cur[rows])
         self.write_checkpoint(rows, state.float(), valid)
 
+    @_inference
     def reset(self, slots):
-        """Give ``slots`` a zero state and an empty buffer (a recycled slot starts clean)."""
+        """Give ``slots`` (int32/int64 [b]) a zero state and an empty buffer (a recycled slot
+        starts clean)."""
+        slots = checks.slot_ids(self, slots)
         state = torch.zeros(slots.shape[0], *self.state_shape, device=self.device)
         self.load_state(slots, state)
 
+    @_inference
     def materialize(self, slots):
         """Committed state of each slot, fp32 [b, nheads, dv, dk], from the anchor and the
         committed buffer; the cache is not modified. Pad rows are zero."""
-        checks.check_slots(self, slots)
+        slots = checks.slot_ids(self, slots)
         rows, valid = self.rows_of(slots)
         h = torch.where(valid, self.committed[rows].long(), 0)
         state = self._fold(self.decode_anchor(rows), self.gather(rows, h), h)
@@ -227,20 +279,22 @@ class ReplayCache:
         self.committed[rows] = torch.where(need, 0, self.committed[rows])
         self.refreshes[rows] += need.long()
 
+    @_inference
     def accept(self, slots, num_accepted, backend=None):
         """Commit the first ``num_accepted[b]`` drafts of each slot's pending verify.
 
         Only the committed pointer moves; rejected drafts stay in the buffer beyond the pointer
-        and are overwritten later. ``num_accepted`` int [b], 0 <= n <= pending. ``backend`` as
+        and are overwritten later. ``slots`` int32/int64 [b]; ``num_accepted`` int32/int64
+        [b], 0 <= n <= pending. ``backend`` as
         in the decode calls: Triton (one launch) by default for CUDA caches.
         """
-        checks.check_slots(self, slots)
-        checks.check_accepted(self, slots, num_accepted)
+        slots = checks.slot_ids(self, slots)
+        num_accepted = checks.accepted_counts(self, slots, num_accepted)
         if pick_backend(self, backend) == "triton":
             from ._triton import launch
             return launch.accept(self, slots, num_accepted)
         rows, valid = self.rows_of(slots)
-        n = torch.minimum(num_accepted.to(torch.int32).clamp(min=0), self.pending[rows])
+        n = torch.minimum(num_accepted.clamp(min=0), self.pending[rows].long()).to(torch.int32)
         n = torch.where(valid, n, 0)
         self.committed[rows] += n
         self.tokens[rows] += n.long()
@@ -249,7 +303,7 @@ class ReplayCache:
     # ---- counters and persistence --------------------------------------------------------
     def counters(self, slots) -> dict:
         """Per-slot cursors as int64 tensors [b]: committed, pending, refreshes, tokens."""
-        checks.check_slots(self, slots)
+        slots = checks.slot_ids(self, slots)
         rows, _ = self.rows_of(slots)
         return {name: getattr(self, name)[rows].long()
                 for name in ("committed", "pending", "refreshes", "tokens")}
@@ -266,7 +320,8 @@ class ReplayCache:
     def config(self) -> dict:
         return {"kind": self.kind, "num_slots": self.num_slots, "nheads": self.nheads, "dv": self.dv,
                 "dk": self.dk, "window": self.window, "max_draft": self.max_draft,
-                "precision": self.precision.name, "buffer_dtype": str(self.buffer_dtype)}
+                "precision": self.precision.name, "buffer_dtype": str(self.buffer_dtype),
+                "precision_spec": describe_precision(self.precision)}
 
     def state_dict(self) -> dict:
         """Every tensor of the cache (cloned) plus its configuration; round-trips bit-exactly."""
@@ -274,12 +329,41 @@ class ReplayCache:
         out["config"] = self.config()
         return out
 
+    @_inference
     def load_state_dict(self, sd: dict) -> None:
+        """Restore a ``state_dict``. Atomic: every entry is checked (configuration, names,
+        shapes, dtypes, and that the cursors describe a possible cache) before anything is
+        copied, so a refused dict raises ``ValueError`` naming the entry and leaves the cache
+        unchanged."""
+        if not isinstance(sd, dict):
+            raise ValueError(f"state_dict must be a dict from state_dict(), got {type(sd).__name__}")
         if sd.get("config") != self.config():
             raise ValueError(f"state_dict config {sd.get('config')} does not match this cache {self.config()}")
         mine = self._tensors()
+        extra = sorted(set(sd) - set(mine) - {"config"})
+        if extra:
+            raise ValueError(f"state_dict entries {extra} are not entries of this cache")
         for k, t in mine.items():
-            if k not in sd or sd[k].shape != t.shape or sd[k].dtype != t.dtype:
+            v = sd.get(k)
+            if not isinstance(v, torch.Tensor) or v.shape != t.shape or v.dtype != t.dtype:
                 raise ValueError(f"state_dict entry {k!r} is missing or has the wrong shape/dtype")
+            if v.is_meta:  # holds no data: its copy would fail after earlier entries were copied
+                raise ValueError(f"state_dict entry {k!r} is on the meta device (no data)")
+        self._check_cursors({k: sd[k] for k in ("committed", "pending", "refreshes", "tokens")})
         for k, t in mine.items():
             t.copy_(sd[k])
+
+    def _check_cursors(self, cur) -> None:
+        """Cursor values that no sequence of calls produces would make a later step read or
+        write past a slot's window: refuse them (names the entry and the first bad row)."""
+        c, p = cur["committed"].long(), cur["pending"].long()
+        rules = [("committed", (c < 0) | (c > self.window), f"in [0, window={self.window}]"),
+                 ("pending", (p < 0) | (p > self.max_draft), f"in [0, max_draft={self.max_draft}]"),
+                 ("pending", c + p > self.window, f"at most window - committed (window={self.window})"),
+                 ("refreshes", cur["refreshes"] < 0, ">= 0"),
+                 ("tokens", cur["tokens"] < c, ">= committed")]
+        for name, bad, rule in rules:
+            if bool(bad.any()):
+                row = int(bad.nonzero()[0])
+                raise ValueError(f"state_dict entry {name!r} holds {int(cur[name][row])} at row {row}, "
+                                 f"which must be {rule}")

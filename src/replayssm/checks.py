@@ -38,10 +38,11 @@ def check_tensor(name: str, t, shape: tuple, device: torch.device, dtypes=FLOAT_
 
 
 def check_slots(cache, slots) -> int:
-    """``slots``: int64 [b] of slot ids in [0, num_slots) or -1 (pad), no repeats. Returns b."""
+    """``slots``: int32 or int64 [b] of slot ids in [0, num_slots) or -1 (pad), no repeats.
+    Returns b."""
     if not isinstance(slots, torch.Tensor) or slots.dim() != 1:
-        raise ValueError("slots must be a 1-D int64 tensor of slot ids")
-    check_tensor("slots", slots, tuple(slots.shape), cache.device, (torch.int64,))
+        raise ValueError("slots must be a 1-D int32 or int64 tensor of slot ids")
+    check_tensor("slots", slots, tuple(slots.shape), cache.device, INT_DTYPES)
     if cache.check_values and slots.numel():
         lo, hi = int(slots.min()), int(slots.max())
         if lo < -1 or hi >= cache.num_slots:
@@ -50,6 +51,23 @@ def check_slots(cache, slots) -> int:
         if real.unique().numel() != real.numel():
             raise ValueError("slots must not repeat a slot id (only the pad id -1 may repeat)")
     return slots.shape[0]
+
+
+def slot_ids(cache, slots) -> torch.Tensor:
+    """Validate ``slots`` (see ``check_slots``) and return them as a contiguous int64 [b] tensor.
+
+    Backends index storage with the ids as laid out in memory, so a strided view or an int32
+    tensor is copied (a few bytes per row) instead of being read from its raw storage.
+    """
+    check_slots(cache, slots)
+    return slots.to(torch.int64).contiguous()
+
+
+def accepted_counts(cache, slots, num_accepted) -> torch.Tensor:
+    """Validate ``num_accepted`` against ``slots`` (already normalized by ``slot_ids``) and
+    return it as a contiguous int64 [b] tensor."""
+    check_accepted(cache, slots, num_accepted)
+    return num_accepted.to(torch.int64).contiguous()
 
 
 def check_draft_len(cache, T: int) -> None:

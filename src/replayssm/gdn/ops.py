@@ -1,6 +1,10 @@
 """Public Gated DeltaNet calls: ``gdn_decode`` and ``gdn_verify``.
 
 public call -> argument checks -> input preparation (L2 norm, scale) -> backend.
+
+Both calls are inference: they run under ``torch.no_grad()``, so inputs that require grad never
+make the cache storage part of an autograd graph. Slot ids (int32 or int64, any strides) reach
+the backends as a contiguous int64 tensor; an empty batch launches nothing.
 """
 from __future__ import annotations
 
@@ -19,7 +23,9 @@ def l2norm(x, eps=1e-6):
 
 
 def _check(cache, slots, q, k, v, g, beta, scale, draft: bool):
-    b = checks.check_slots(cache, slots)
+    """Validate every argument; returns the slots as contiguous int64."""
+    slots = checks.slot_ids(cache, slots)
+    b = slots.shape[0]
     HK, HV, K, V = cache.num_k_heads, cache.num_v_heads, cache.head_k_dim, cache.head_v_dim
     T = q.shape[1] if draft and isinstance(q, torch.Tensor) and q.dim() == 4 else 1
     if draft:
@@ -35,12 +41,16 @@ def _check(cache, slots, q, k, v, g, beta, scale, draft: bool):
         raise ValueError(f"scale must be a float or None, got {scale!r}")
     checks.check_finite_nonpositive("g", g, cache)
     checks.check_no_pending(cache, slots)
+    return slots
 
 
 def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend):
     if scale is None:
         scale = cache.head_k_dim ** -0.5
-    if pick_backend(cache, backend) == "triton":  # prepares q, k, g, beta inside its kernels
+    kind = pick_backend(cache, backend)
+    if slots.shape[0] == 0:  # nothing to compute or store; the kernels' grids would be empty
+        return torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    if kind == "triton":  # prepares q, k, g, beta inside its kernels
         from . import triton as kernels
         return kernels.step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit)
     q, k = (l2norm(q), l2norm(k)) if use_qk_l2norm else (q.float(), k.float())
@@ -51,21 +61,23 @@ def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend)
                       lambda state, buf, h: replay.outputs(state, buf, h, q), commit)
 
 
+@torch.no_grad()
 def gdn_decode(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, backend=None):
     """One decode token per slot; refreshes the checkpoint when the window is full.
 
-    slots int64 [b] (-1 = pad); q, k [b, HK, K]; v [b, HV, V]; g [b, HV] (log decay <= 0);
+    slots int32/int64 [b] (-1 = pad); q, k [b, HK, K]; v [b, HV, V]; g [b, HV] (log decay <= 0);
     beta [b, HV]. Inputs fp32/fp16/bf16. Returns o fp32 [b, HV, V] (zero for pads).
     """
-    _check(cache, slots, q, k, v, g, beta, scale, draft=False)
+    slots = _check(cache, slots, q, k, v, g, beta, scale, draft=False)
     u = lambda t: t.unsqueeze(1)  # noqa: E731
     return _step(cache, slots, u(q), u(k), u(v), u(g), u(beta), scale, use_qk_l2norm, True, backend)[:, 0]
 
 
+@torch.no_grad()
 def gdn_verify(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, backend=None):
     """Verify T drafts per slot, output-only; nothing is committed until ``cache.accept``.
 
     q, k [b, T, HK, K]; v [b, T, HV, V]; g, beta [b, T, HV]. Returns o fp32 [b, T, HV, V].
     """
-    _check(cache, slots, q, k, v, g, beta, scale, draft=True)
+    slots = _check(cache, slots, q, k, v, g, beta, scale, draft=True)
     return _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, False, backend)

@@ -1,6 +1,10 @@
 """Public Mamba-2 calls: ``mamba2_decode`` and ``mamba2_verify``.
 
 public call -> argument checks -> input preparation (bias, softplus, log decay) -> backend.
+
+Both calls are inference: they run under ``torch.no_grad()``, so inputs that require grad never
+make the cache storage part of an autograd graph. Slot ids (int32 or int64, any strides) and the
+per-head constants reach the backends as contiguous tensors; an empty batch launches nothing.
 """
 from __future__ import annotations
 
@@ -14,7 +18,9 @@ from . import replay
 
 
 def _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft: bool):
-    b = checks.check_slots(cache, slots)
+    """Validate every argument; returns (slots as contiguous int64, T)."""
+    slots = checks.slot_ids(cache, slots)
+    b = slots.shape[0]
     H, P, N, G = cache.nheads, cache.headdim, cache.dstate, cache.ngroups
     T = x.shape[1] if draft and isinstance(x, torch.Tensor) and x.dim() == 4 else 1
     if draft:
@@ -31,11 +37,16 @@ def _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft: bool):
     checks.check_tensor("dt_bias", dt_bias, (H,), dev, optional=True)
     checks.check_finite_nonpositive("A", A, cache)
     checks.check_no_pending(cache, slots)
-    return T
+    return slots, T
 
 
 def _step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, commit, backend):
-    if pick_backend(cache, backend) == "triton":  # prepares dt and the log decay inside its kernels
+    kind = pick_backend(cache, backend)
+    if slots.shape[0] == 0:  # nothing to compute or store; the kernels' grids would be empty
+        return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    if kind == "triton":  # prepares dt and the log decay inside its kernels
+        # the kernels index the per-head constants densely: a strided or expanded view is copied
+        A, D, dt_bias = (None if t is None else t.contiguous() for t in (A, D, dt_bias))
         from . import triton as kernels
         return kernels.step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, commit)
     dt = dt.float()
@@ -49,19 +60,21 @@ def _step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, commit, back
                       lambda state, buf, h: (replay.outputs(state, buf, h, C, D, z, x), None), commit)
 
 
+@torch.no_grad()
 def mamba2_decode(cache, slots, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
                   backend=None):
     """One decode token per slot; refreshes the checkpoint when the window is full.
 
-    slots int64 [b] (-1 = pad); x [b, H, P]; dt [b, H]; A [H]; B, C [b, G, N]; D [H]; z [b, H, P];
+    slots int32/int64 [b] (-1 = pad); x [b, H, P]; dt [b, H]; A [H]; B, C [b, G, N]; D [H]; z [b, H, P];
     dt_bias [H]. Inputs fp32/fp16/bf16. Returns y fp32 [b, H, P] (zero for pads).
     """
-    _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft=False)
+    slots, _ = _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft=False)
     u = lambda t: None if t is None else t.unsqueeze(1)  # noqa: E731
     y = _step(cache, slots, u(x), u(dt), A, u(B), u(C), D, u(z), dt_bias, dt_softplus, True, backend)
     return y[:, 0]
 
 
+@torch.no_grad()
 def mamba2_verify(cache, slots, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
                   backend=None):
     """Verify T drafts per slot, output-only: draft s sees the checkpoint, the committed history
@@ -70,5 +83,5 @@ def mamba2_verify(cache, slots, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt
     x [b, T, H, P]; dt [b, T, H]; B, C [b, T, G, N]; z [b, T, H, P]; others as in decode.
     Returns y fp32 [b, T, H, P].
     """
-    _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft=True)
+    slots, _ = _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft=True)
     return _step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, False, backend)
