@@ -94,19 +94,6 @@ def test_triton_s32_matches_float64_reference(arch, variant):
     assert tr.state_error([0, 1, 2]) <= 1e-5
 
 
-def test_gdn_verify_of_four_drafts_at_head_k_dim_16():
-    """A GDN verify of T >= 4 streams its read copy in chunks of at most the head's 16 columns."""
-    layer = TritonLayer("gdn", num_k_heads=2, num_v_heads=2, head_k_dim=16, head_v_dim=16)
-    tr = helpers.Tracker(layer, layer.cache(3, window=8, max_draft=4), seed=8)
-    tr.load([0, 1])
-    for r in range(4):
-        tr.verify([1, 0], 4)
-        tr.accept([r % 5, 4])
-    tr.check_counters([0, 1])
-    assert tr.max_rel <= 2e-5, tr.max_rel
-    assert tr.state_error([0, 1]) <= 1e-5
-
-
 @pytest.mark.parametrize("arch", ["mamba2", "gdn"])
 @pytest.mark.parametrize("precision", ["tp8_hi32", "tp4_hi16_sr", "f4_sr_rs", "bf16_rs"])
 def test_triton_low_precision_agrees_with_torch_backend(arch, precision):
