@@ -18,18 +18,6 @@ GEOMETRIES = {name: (g.arch, g.geometry) for name, g in NAMED.items() if g.arch}
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PTXAS_REPORT = os.path.join(ROOT, "benchmarks", "ptxas_report.py")
-
-
-def _compile_for_sm90(tmp_path, *args) -> str:
-    """stdout of ``python args...`` with a real Triton compile (no interpreter), src on the path and
-    a fresh Triton cache: how these CPU tests see the kernels as built for an H100/H200."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.path.join(ROOT, "src")
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
-    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
-    return out.stdout
 
 
 def test_without_gpu_it_says_so_and_exits_nonzero(capsys):
@@ -218,8 +206,6 @@ def test_sweep_writes_what_the_report_reads(tmp_path, monkeypatch, capsys):
     assert row[3] == "2.50" and row[4] == "–" and row[6] == "2.50"  # x ours decode, x fla (absent), x ours T=4
 
 
-@pytest.mark.parametrize("arch, pinned", [("mamba2", True), ("gdn", True), ("gdn", False)])
-@pytest.mark.parametrize("arch, draft", [("mamba2", 4), ("gdn", 1)])
 def test_report_names_the_commit_given_by_replayssm_commit(monkeypatch):
     """A device machine's copy of the tree may carry a stale .git: REPLAYSSM_COMMIT wins over git."""
     monkeypatch.setenv("REPLAYSSM_COMMIT", "0123abc")
@@ -227,3 +213,34 @@ def test_report_names_the_commit_given_by_replayssm_commit(monkeypatch):
     monkeypatch.delenv("REPLAYSSM_COMMIT")
     assert bench._environment()["commit"] != "0123abc"
 
+
+def test_same_run_tables_from_the_comparison_json(tmp_path):
+    """``report --peers``: the same-run comparison's rows become tables (× = the vLLM kernel's time /
+    this one's), our aligned windows stay out of the tables, and the README's block is replaced."""
+    import json
+
+    from replayssm.bench import peers, report
+
+    rows = [dict(kernel="vllm_packed_decode", model="qwen3.5-122b(HV64)", B=256, mode="decode", us_per_step=500.0),
+            dict(kernel="replayssm_gdn_decode", model="qwen3.5-122b(HV64)", B=256, mode="decode L=16 desync",
+                 us_per_step=250.0),
+            dict(kernel="rs_lib_gdn_decode[s32_rs]", model="qwen3.5-122b(HV64)", B=256, mode="decode L=16 stagger",
+                 us_per_step=200.0),
+            dict(kernel="rs_lib_gdn_decode[s32_rs]", model="qwen3.5-122b(HV64)", B=256, mode="decode L=16 aligned",
+                 us_per_step=190.0)]
+    path = tmp_path / "peers.json"
+    path.write_text(json.dumps({"env": {"gpu": "stub"}, "results": rows, "replayssm_commit": "abc1234"}))
+    rep = peers.load(str(path))
+    assert peers.ratios(rep, "gdn", "qwen3.5-122b(HV64)", 256) == {"s32_rs": 0.8}
+    text = peers.tables(rep)
+    assert "| ReplaySSM `s32_rs` | staggered | 200.0 · 2.50× |" in text and "190.0" not in text
+    readme = tmp_path / "README.md"
+    readme.write_text(f"x\n{report.README_START}\nold\n{report.README_END}\n{report.SAME_RUN_START}\nold\n"
+                      f"{report.SAME_RUN_END}\ny\n")
+    bench_json = tmp_path / "bench.json"
+    bench_json.write_text(json.dumps(_bench_report(256, 0, "all")))
+    report.generate([str(bench_json)], str(tmp_path / "out"), str(tmp_path / "B.md"), str(readme), draw=False,
+                    peers_json=str(path))
+    out = readme.read_text()
+    assert "paper's ReplaySSM kernel" in out and "old" not in out and out.endswith("y\n")
+    assert "abc1234" in (tmp_path / "B.md").read_text()

@@ -256,14 +256,21 @@ def headline(t: Table, batch: int = 256) -> list:
     return lines
 
 
-def benchmarks_md(t: Table, sources: list) -> str:
-    """The whole BENCHMARKS.md."""
+def benchmarks_md(t: Table, sources: list, same_run: str = "") -> str:
+    """The whole BENCHMARKS.md; ``same_run``: the markdown of ``same_run_section``, placed first."""
     rep, env = t.rep, t.rep.get("environment", {})
     L = ["# Benchmarks", "",
-         "Current results of `replayssm bench`, generated from the bench JSON by",
+         "Current results, generated from the bench JSON by",
          "", "```", "python -m replayssm.bench.report " + " ".join(sources), "```", "",
          "(the same as `replayssm bench --report ...`; docs/gpu.md says how the figures are made and what "
-         "limits them). Do not edit by hand: re-run the command.", "",
+         "limits them). Do not edit by hand: re-run the command.", ""]
+    if same_run:
+        L += [same_run, "## `replayssm bench`", "",
+              "The tables below come from `replayssm bench` runs at the commits they name. Rows measured "
+              "before the current kernels (commits before the same-run section's) are kept until they are "
+              "measured again.", ""]
+    L += [
+
          f"GPU: {env.get('gpu', '?')}, driver {env.get('driver', '?')}, CUDA {env.get('cuda', '?')}, torch "
          f"{env.get('torch', '?')}, triton {env.get('triton', '?')}. Copy ceiling (device-to-device copy, read + "
          f"write): {_f((t.copy or 0) / 1e12)} TB/s.", ""]
@@ -357,7 +364,10 @@ def benchmarks_md(t: Table, sources: list) -> str:
                 extra.append([TITLE[g.arch], name, "L=16", "decode" if not draft else f"T={draft}", f"`{p}`",
                               _us(t.time(g.arch, name, p, 256, draft)), _f(t.ratio(g.arch, name, p, "ours", 256, draft)),
                               t.row(g.arch, name, p, 256, draft)["commit"]])
-    if extra:
+    if extra and same_run:  # kept short: these rows stay in the merged JSON
+        L += ["", f"Other windows, accept rates and geometries: {len(extra)} rows at batch 256 in the merged "
+              "bench JSON (`docs/bench/bench.json`)."]
+    elif extra:
         L += ["", "## Other windows, accept rates and geometries (batch 256)", "",
               "× the conventional kernel (speculative: the conventional speculative kernel) at the same point. "
               "These rows may come from older commits than the tables above (last column).", ""]
@@ -529,10 +539,47 @@ def _outputs(ap):
     ap.add_argument("--markdown", default="BENCHMARKS.md", help="BENCHMARKS.md to write ('-': none)")
     ap.add_argument("--readme", default="README.md", help="README whose headline table is replaced ('-': none)")
     ap.add_argument("--no-plots", dest="plots", action="store_false", help="do not draw the plots")
+    ap.add_argument("--peers", default="", metavar="JSON",
+                    help="JSON of a same-run comparison with other projects' kernels (bench.peers): tables first")
+    ap.add_argument("--latest", default="", metavar="JSON",
+                    help="with --peers: figures measured again since that run, beside its own")
 
 
-def generate(sources: list, output: str, markdown: str = "-", readme: str = "-", draw: bool = True) -> Table:
-    """Merge ``sources`` into OUTPUT/bench.json and write BENCHMARKS.md, the README table, plots."""
+def same_run_section(peers_json: str, latest_json: str = "") -> tuple[str, str]:
+    """(BENCHMARKS.md section, README table) from the same-run comparison's JSON (``bench.peers``)
+    and, if given, the figures measured again since (``latest_json``: {"commit", "gpu", "how",
+    "rows": [{"arch", "model", "step", "preset", "us", "before"}]})."""
+    from . import peers
+
+    rep = peers.load(peers_json)
+    commit = rep.get("replayssm_commit") or "?"
+    L = ["## Against vLLM, fla and the paper's kernels, one run", "",
+         f"One process, one GPU ({rep['env'].get('gpu', '?')}), the same shapes, CUDA graphs and a state pool "
+         "larger than L2 for every kernel; bf16 activations, fp32 state, window 16, ReplaySSM replay buffers "
+         f"in bf16; library at commit `{commit}`. The paper's kernels trade precision for their speed (bf16 "
+         "fold operands, a bf16 residual cache; state errors 1.7e-3 to 2.6e-3 against float64); ReplaySSM "
+         "`s32_rs` stays within 5e-7. Raw: `docs/bench/peers.json`.", "", peers.tables(rep)]
+    readme = peers.headline(rep)
+    if latest_json:
+        with open(latest_json) as f:
+            latest = json.load(f)
+        rows = [[r["arch"], r["model"], r["step"], f"`{r['preset']}`", f"{r['us']:.1f}",
+                 "–" if r.get("before") is None else f"{r['before']:.1f}"] for r in latest["rows"]]
+        L += ["", f"### Measured again at commit `{latest['commit']}`", "", latest["how"], "",
+              "\n".join(_md(["layer", "model", "step", "kernel", "µs now", "µs in the run above"], rows))]
+        readme += (f"\nGated DeltaNet measured again at `{latest['commit']}` (same method, batch 256, staggered): "
+                   + ", ".join(f"`{r['preset']}` {r['step']} {r['us']:.0f} µs" for r in latest["rows"]
+                               if r["arch"] == "gdn") + ".\n")
+    return "\n".join(L) + "\n", readme
+
+
+SAME_RUN_START = "<!-- same-run table: generated by python -m replayssm.bench.report; do not edit -->"
+SAME_RUN_END = "<!-- end of same-run table -->"
+
+
+def generate(sources: list, output: str, markdown: str = "-", readme: str = "-", draw: bool = True,
+             peers_json: str = "", latest_json: str = "") -> Table:
+    """Merge ``sources`` into OUTPUT/bench.json and write BENCHMARKS.md, the README tables, plots."""
     reports = [load(p) for p in sources]
     merged = merge(reports)
     os.makedirs(output, exist_ok=True)
@@ -541,14 +588,22 @@ def generate(sources: list, output: str, markdown: str = "-", readme: str = "-",
         f.write("\n")
     t = Table(merged)
     shown = [os.path.join(output, "bench.json")] if len(sources) > 1 else sources
+    section, same_run_readme = same_run_section(peers_json, latest_json) if peers_json else ("", "")
     if markdown != "-":
+        shown = [re.sub(r"\s", "", s) for s in shown]
+        if peers_json:
+            shown += ["--peers", peers_json] + (["--latest", latest_json] if latest_json else [])
         with open(markdown, "w") as f:
-            f.write(benchmarks_md(t, [re.sub(r"\s", "", s) for s in shown]))
+            f.write(benchmarks_md(t, shown, section))
     if readme != "-":
         with open(readme) as f:
             text = f.read()
+        text = replace_headline(text, headline(t))
+        if peers_json and SAME_RUN_START in text:
+            head, rest = text.split(SAME_RUN_START, 1)
+            text = head + SAME_RUN_START + "\n" + same_run_readme + SAME_RUN_END + rest.split(SAME_RUN_END, 1)[1]
         with open(readme, "w") as f:
-            f.write(replace_headline(text, headline(t)))
+            f.write(text)
     if draw:
         plots(t, output)
     return t
@@ -556,11 +611,12 @@ def generate(sources: list, output: str, markdown: str = "-", readme: str = "-",
 
 def run(args) -> int:
     from ..cli import UsageError
-    for p in args.sources:
+    peers_json, latest_json = getattr(args, "peers", ""), getattr(args, "latest", "")
+    for p in args.sources + [x for x in (peers_json, latest_json) if x]:
         if not os.path.exists(p):
             raise UsageError(f"{p}: no such file")
     try:
-        generate(args.sources, args.output, args.markdown, args.readme, args.plots)
+        generate(args.sources, args.output, args.markdown, args.readme, args.plots, peers_json, latest_json)
     except (ValueError, KeyError, json.JSONDecodeError) as exc:
         raise UsageError(f"cannot build the report: {exc}") from None
     print(f"wrote {os.path.join(args.output, 'bench.json')}"
