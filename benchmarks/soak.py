@@ -500,7 +500,7 @@ class Soak:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--arch", nargs="+", default=["mamba2", "gdn"], choices=sorted(LAYERS))
-    ap.add_argument("--presets", nargs="+", default=list(rs.SEED_PRESETS),
+    ap.add_argument("--presets", nargs="+", default=list(rs.REPRODUCTION_PRESETS),
                     help="preset names, or 'all' for every preset")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--backend", default=None, choices=["torch", "triton"],

@@ -4,7 +4,8 @@ Every check raises ``ValueError`` naming the offending argument, and runs before
 cache is written, so a rejected call leaves the cache bit-identical. Checks on tensor *metadata*
 (shape, dtype, device) are free; checks on tensor *values* (slot ids, accepted counts, pending
 verifies) read device memory and synchronize, so they run only while ``cache.check_values`` is
-true. Turn it off for CUDA-graph capture, where value errors cannot be raised anyway.
+true and no CUDA graph is being captured (``values_checked``): a step captures with the default
+settings, its value checks skipped (the same calls checked eagerly before capture catch the errors).
 """
 from __future__ import annotations
 
@@ -37,13 +38,21 @@ def check_tensor(name: str, t, shape: tuple, device: torch.device, dtypes=FLOAT_
         raise ValueError(f"{name} must be on {device}, got {t.device}")
 
 
+def values_checked(cache) -> bool:
+    """Whether value checks run now: ``cache.check_values`` and no CUDA-graph capture in progress
+    on the current stream (a value check synchronizes, which capture forbids)."""
+    if not cache.check_values:
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 def check_slots(cache, slots) -> int:
     """``slots``: int32 or int64 [b] of slot ids in [0, num_slots) or -1 (pad), no repeats.
     Returns b."""
     if not isinstance(slots, torch.Tensor) or slots.dim() != 1:
         raise ValueError("slots must be a 1-D int32 or int64 tensor of slot ids")
     check_tensor("slots", slots, tuple(slots.shape), cache.device, INT_DTYPES)
-    if cache.check_values and slots.numel():
+    if values_checked(cache) and slots.numel():
         lo, hi = int(slots.min()), int(slots.max())
         if lo < -1 or hi >= cache.num_slots:
             raise ValueError(f"slots must lie in [-1, {cache.num_slots}), got range [{lo}, {hi}]")
@@ -77,7 +86,7 @@ def check_draft_len(cache, T: int) -> None:
 
 def check_no_pending(cache, slots) -> None:
     """A decode or verify may not start while a verify of the same slot awaits ``accept``."""
-    if cache.check_values and slots.numel():
+    if values_checked(cache) and slots.numel():
         rows = slots[slots >= 0]
         if bool((cache.pending[rows] > 0).any()):
             bad = rows[cache.pending[rows] > 0].tolist()
@@ -87,7 +96,7 @@ def check_no_pending(cache, slots) -> None:
 def check_accepted(cache, slots, num_accepted) -> None:
     """``num_accepted``: int [b], 0 <= n <= pending draft count of that slot."""
     check_tensor("num_accepted", num_accepted, tuple(slots.shape), cache.device, INT_DTYPES)
-    if cache.check_values and slots.numel():
+    if values_checked(cache) and slots.numel():
         valid = slots >= 0
         limit = cache.pending[slots.clamp(min=0)].to(num_accepted.dtype)
         bad = valid & ((num_accepted < 0) | (num_accepted > limit))
@@ -99,5 +108,18 @@ def check_accepted(cache, slots, num_accepted) -> None:
 
 def check_finite_nonpositive(name: str, t, cache) -> None:
     """Log decays must be <= 0 (decay in (0, 1]); checked only with ``check_values``."""
-    if cache.check_values and t.numel() and bool((t > 0).any()):
+    if values_checked(cache) and t.numel() and bool((t > 0).any()):
         raise ValueError(f"{name} must be <= 0 (a log decay), got max {float(t.max())}")
+
+
+def output_spec(out, out_dtype, shape: tuple, device: torch.device) -> torch.dtype:
+    """Validate a call's ``out`` (a preallocated output, or None) and ``out_dtype`` (fp32, fp16 or
+    bf16; None: ``out``'s dtype, else fp32) against the output's ``shape``; returns the output dtype."""
+    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {FLOAT_DTYPES} or None, got {out_dtype!r}")
+    if out is None:
+        return out_dtype or torch.float32
+    check_tensor("out", out, shape, device)
+    if out_dtype is not None and out.dtype != out_dtype:
+        raise ValueError(f"out has dtype {out.dtype} but out_dtype is {out_dtype}")
+    return out.dtype

@@ -44,40 +44,50 @@ def _check(cache, slots, q, k, v, g, beta, scale, draft: bool):
     return slots
 
 
-def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend):
+def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend, out, out_dtype):
+    """o [b, T, HV, V] of ``out_dtype``, written into ``out`` ([b, T, HV, V] view) when given."""
     if scale is None:
         scale = cache.head_k_dim ** -0.5
     kind = pick_backend(cache, backend)
     if slots.shape[0] == 0:  # nothing to compute or store; the kernels' grids would be empty
-        return torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        return torch.zeros(v.shape, dtype=out_dtype, device=v.device) if out is None else out
     if kind == "triton":  # prepares q, k, g, beta inside its kernels
         from . import triton as kernels
-        return kernels.step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit)
+        o = out if out is not None and out.is_contiguous() else torch.empty(v.shape, dtype=out_dtype, device=v.device)
+        kernels.step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, o)
+        return o if out is None or o is out else out.copy_(o)
     q, k = (l2norm(q), l2norm(k)) if use_qk_l2norm else (q.float(), k.float())
     q = q * scale
     g, beta = g.float(), beta.float()
     entries = {"k": k, "v": v, "g": g, "beta": beta}
-    return torch_step(cache, slots, q.shape[1], entries,
-                      lambda state, buf, h: replay.outputs(state, buf, h, q), commit)
+    o = torch_step(cache, slots, q.shape[1], entries, lambda state, buf, h: replay.outputs(state, buf, h, q), commit)
+    return o.to(out_dtype) if out is None else out.copy_(o)
 
 
 @torch.no_grad()
-def gdn_decode(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, backend=None):
+def gdn_decode(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, backend=None, out=None,
+               out_dtype=None):
     """One decode token per slot; refreshes the checkpoint when the window is full.
 
     slots int32/int64 [b] (-1 = pad); q, k [b, HK, K]; v [b, HV, V]; g [b, HV] (log decay <= 0);
-    beta [b, HV]. Inputs fp32/fp16/bf16. Returns o fp32 [b, HV, V] (zero for pads).
+    beta [b, HV]. Inputs fp32/fp16/bf16. Returns o [b, HV, V] (zero for pads), fp32 unless
+    ``out_dtype`` (fp16/bf16: the kernels store the rounded outputs); written into ``out`` when given.
     """
     slots = _check(cache, slots, q, k, v, g, beta, scale, draft=False)
-    u = lambda t: t.unsqueeze(1)  # noqa: E731
-    return _step(cache, slots, u(q), u(k), u(v), u(g), u(beta), scale, use_qk_l2norm, True, backend)[:, 0]
+    dtype = checks.output_spec(out, out_dtype, tuple(v.shape), cache.device)
+    u = lambda t: None if t is None else t.unsqueeze(1)  # noqa: E731
+    o = _step(cache, slots, u(q), u(k), u(v), u(g), u(beta), scale, use_qk_l2norm, True, backend, u(out), dtype)
+    return o[:, 0] if out is None else out
 
 
 @torch.no_grad()
-def gdn_verify(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, backend=None):
+def gdn_verify(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, backend=None, out=None,
+               out_dtype=None):
     """Verify T drafts per slot, output-only; nothing is committed until ``cache.accept``.
 
-    q, k [b, T, HK, K]; v [b, T, HV, V]; g, beta [b, T, HV]. Returns o fp32 [b, T, HV, V].
+    q, k [b, T, HK, K]; v [b, T, HV, V]; g, beta [b, T, HV]. Returns o [b, T, HV, V] (``out``,
+    ``out_dtype`` as in decode).
     """
     slots = _check(cache, slots, q, k, v, g, beta, scale, draft=True)
-    return _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, False, backend)
+    dtype = checks.output_spec(out, out_dtype, tuple(v.shape), cache.device)
+    return _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, False, backend, out, dtype)

@@ -307,17 +307,18 @@ def _gdn_step_kernel(
             Sq_read = matvec(ra, rb, rsc, qa, qb, R_FMT)
         upto = tl.where(j <= t, tl.exp(tl.where(j <= t, seg, float("-inf"))), 0.0) * q_scores
         o = tl.exp(c_t) * Sq_read + tl.sum(U * upto[None, :], 1)
-        tl.store(o_ptr + (tok_in * HV + head) * DV + rv, tl.where(valid, o, 0.0))
+        tl.store(o_ptr + (tok_in * HV + head) * DV + rv, tl.where(valid, o, 0.0).to(o_ptr.dtype.element_ty))
         tl.store(bv_ptr + (tok_buf * HV + head) * DV + rv, v_s)  # rows only this program reads
         tl.store(bu_ptr + (tok_buf * HV + head) * DV + rv, u_s)
 
 
-def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: bool):
+def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: bool, o):
     """One GDN decode (T = 1) or verify step on the Triton backend.
 
     q, k [b, T, HK, K] as given to the public call (L2-normalized here when ``normalize``; q
-    times ``scale``); v [b, T, HV, V]; g, beta [b, T, HV]; any float dtypes. Returns o fp32
-    [b, T, HV, V] (pads zero). The input preparation happens inside the first launch.
+    times ``scale``); v [b, T, HV, V]; g, beta [b, T, HV]; any float dtypes. Writes the outputs
+    into o [b, T, HV, V] (contiguous, fp32/fp16/bf16; pads zero). The input preparation happens
+    inside the first launch.
     """
     launch.check_geometry(cache)
     b, T, HV, V = v.shape
@@ -328,7 +329,6 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     shape = launch.step_shape(cache, "gdn", T, b)
     buf = cache.buffer
     LP = launch.window_pad(cache)
-    o = torch.empty(b, T, HV, V, dtype=torch.float32, device=dev)
     scores = torch.empty(b, HK, 2, T, LP, dtype=torch.float32, device=dev)
     kn = torch.empty(q.shape, dtype=torch.float32, device=dev)
     qn = torch.empty_like(kn)

@@ -40,15 +40,18 @@ def _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft: bool):
     return slots, T
 
 
-def _step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, commit, backend):
+def _step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, commit, backend, out, out_dtype):
+    """y [b, T, H, P] of ``out_dtype``, written into ``out`` ([b, T, H, P] view) when given."""
     kind = pick_backend(cache, backend)
     if slots.shape[0] == 0:  # nothing to compute or store; the kernels' grids would be empty
-        return torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        return torch.zeros(x.shape, dtype=out_dtype, device=x.device) if out is None else out
     if kind == "triton":  # prepares dt and the log decay inside its kernels
         # the kernels index the per-head constants densely: a strided or expanded view is copied
         A, D, dt_bias = (None if t is None else t.contiguous() for t in (A, D, dt_bias))
         from . import triton as kernels
-        return kernels.step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, commit)
+        y = out if out is not None and out.is_contiguous() else torch.empty(x.shape, dtype=out_dtype, device=x.device)
+        kernels.step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, commit, y)
+        return y if out is None or y is out else out.copy_(y)
     dt = dt.float()
     if dt_bias is not None:
         dt = dt + dt_bias.float()
@@ -56,32 +59,36 @@ def _step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, commit, back
         dt = F.softplus(dt)
     log_alpha = A.float() * dt
     entries = {"x": x, "dt": dt, "log_alpha": log_alpha, "B": B}
-    return torch_step(cache, slots, x.shape[1], entries,
-                      lambda state, buf, h: (replay.outputs(state, buf, h, C, D, z, x), None), commit)
+    y = torch_step(cache, slots, x.shape[1], entries,
+                   lambda state, buf, h: (replay.outputs(state, buf, h, C, D, z, x), None), commit)
+    return y.to(out_dtype) if out is None else out.copy_(y)
 
 
 @torch.no_grad()
 def mamba2_decode(cache, slots, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
-                  backend=None):
+                  backend=None, out=None, out_dtype=None):
     """One decode token per slot; refreshes the checkpoint when the window is full.
 
     slots int32/int64 [b] (-1 = pad); x [b, H, P]; dt [b, H]; A [H]; B, C [b, G, N]; D [H]; z [b, H, P];
-    dt_bias [H]. Inputs fp32/fp16/bf16. Returns y fp32 [b, H, P] (zero for pads).
+    dt_bias [H]. Inputs fp32/fp16/bf16. Returns y [b, H, P] (zero for pads), fp32 unless ``out_dtype``
+    (fp16/bf16: the kernels store the rounded outputs, half the bytes); written into ``out`` when given.
     """
     slots, _ = _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft=False)
+    dtype = checks.output_spec(out, out_dtype, tuple(x.shape), cache.device)
     u = lambda t: None if t is None else t.unsqueeze(1)  # noqa: E731
-    y = _step(cache, slots, u(x), u(dt), A, u(B), u(C), D, u(z), dt_bias, dt_softplus, True, backend)
-    return y[:, 0]
+    y = _step(cache, slots, u(x), u(dt), A, u(B), u(C), D, u(z), dt_bias, dt_softplus, True, backend, u(out), dtype)
+    return y[:, 0] if out is None else out
 
 
 @torch.no_grad()
 def mamba2_verify(cache, slots, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
-                  backend=None):
+                  backend=None, out=None, out_dtype=None):
     """Verify T drafts per slot, output-only: draft s sees the checkpoint, the committed history
     and drafts 1..s. Nothing is committed: call ``cache.accept(slots, num_accepted)`` next.
 
     x [b, T, H, P]; dt [b, T, H]; B, C [b, T, G, N]; z [b, T, H, P]; others as in decode.
-    Returns y fp32 [b, T, H, P].
+    Returns y [b, T, H, P] (``out``, ``out_dtype`` as in decode).
     """
     slots, _ = _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft=True)
-    return _step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, False, backend)
+    dtype = checks.output_spec(out, out_dtype, tuple(x.shape), cache.device)
+    return _step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, False, backend, out, dtype)

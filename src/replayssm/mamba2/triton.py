@@ -216,18 +216,19 @@ def _mamba2_step_kernel(
             y += D * xq
         if HAS_Z:
             y *= zq * tl.sigmoid(zq)
-        tl.store(y_ptr + (q_tok * H + head) * DV + rv, tl.where(valid, y, 0.0))
+        tl.store(y_ptr + (q_tok * H + head) * DV + rv, tl.where(valid, y, 0.0).to(y_ptr.dtype.element_ty))
     # the new tokens' x rows (rounded to the buffer dtype): only this program reads them
     tl.store(bx_ptr + (buf_tok[:, None] * H + head) * DV + rv[None, :], X.to(bx_ptr.dtype.element_ty),
              mask=new[:, None])
 
 
-def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit: bool):
+def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit: bool, y):
     """One Mamba-2 decode (T = 1) or verify step on the Triton backend.
 
     x [b, T, H, P]; dt [b, T, H] raw (dt_bias [H] added and softplus applied here when given);
-    A [H]; B, C [b, T, G, N]; D [H]; z [b, T, H, P]; any float dtypes. Returns y fp32
-    [b, T, H, P] (pads zero). The input preparation happens inside the first launch.
+    A [H]; B, C [b, T, G, N]; D [H]; z [b, T, H, P]; any float dtypes. Writes the outputs into y
+    [b, T, H, P] (contiguous, fp32/fp16/bf16; pads zero). The input preparation happens inside the
+    first launch.
     """
     launch.check_geometry(cache)
     b, T, H, P = x.shape
@@ -240,7 +241,6 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     shape = launch.step_shape(cache, "mamba2", T, b)
     buf = cache.buffer
     LP = launch.window_pad(cache)
-    y = torch.empty(b, T, H, P, dtype=torch.float32, device=dev)
     scores = torch.empty(b, G, T, LP, dtype=torch.float32, device=dev)
     fold_w = torch.empty(b, H, LP, dtype=torch.float32, device=dev)
     fold_decay = torch.empty(b, H, dtype=torch.float32, device=dev)
