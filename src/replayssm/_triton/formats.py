@@ -132,17 +132,6 @@ def pin_vector_width(ptr, mat, rv, ck, never, DV: tl.constexpr, DK: tl.constexpr
 
 
 @triton.jit
-def anchor_rows(ra, av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV: tl.constexpr, DK: tl.constexpr,
-                A_FMT: tl.constexpr, R_FMT: tl.constexpr, SHARED: tl.constexpr):
-    """The anchor's rows ``rv`` as fp32 [BV, DK] for a refresh: ``ra`` (the read copy from
-    ``load_read``) already holds them when the copy is shared and element-wise; else a load."""
-    if SHARED and R_FMT <= 2:
-        return ra
-    else:
-        return load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT)
-
-
-@triton.jit
 def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
                DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr, SR: tl.constexpr):
     """Encode fp32 tile S [BV, BK] (rows rv, columns ck of matrix ``mat``) into format FMT and
@@ -339,3 +328,16 @@ def write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gid
     store_tile(S, av_ptr, as_ptr, ag_ptr, mat, gidx, head, rv, ck, seed, tokens * 2, DV, DK, A_FMT, A_SR)
     if not SHARED:
         store_tile(S, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, ck, seed, tokens * 2 + 1, DV, DK, R_FMT, R_SR)
+
+
+@triton.jit
+def read_copy_from_anchor(av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, seed, tokens,
+                          DV: tl.constexpr, DK: tl.constexpr, A_FMT: tl.constexpr, R_FMT: tl.constexpr,
+                          R_SR: tl.constexpr):
+    """Encode the read copy of rows ``rv`` from the fp32 anchor rows this program has just stored
+    (the unrounded state, bit for bit), whole rows at once (``launch.read_copy_after_fold``); its
+    stochastic-rounding stream as in ``write_checkpoint``."""
+    tl.debug_barrier()  # the anchor rows were stored by other threads of the program
+    ck = tl.arange(0, DK)
+    store_tile(load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT), rv_ptr, rs_ptr, rg_ptr, mat, gidx,
+               head, rv, ck, seed, tokens * 2 + 1, DV, DK, R_FMT, R_SR)

@@ -39,7 +39,8 @@ from .._triton.launch import after_previous_launch
 from .._triton.decay import segment_to, suffix_sums
 from .._triton.window import slot_cursor, slot_row, step_cursor, window_rows, window_scalars
 from .._triton.formats import (column, load_query, load_read, load_tile, matvec, pin_vector_width,
-                               products_on_tensor_cores, store_tile, streamed_products, write_checkpoint)
+                               products_on_tensor_cores, read_copy_from_anchor, streamed_products,
+                               write_checkpoint)
 
 
 @triton.jit
@@ -169,11 +170,9 @@ def _gdn_refresh_rows(pid_b, head, khead, row, h, r0, seeds_ptr, tokens_ptr, tin
             S += tl.dot(U, K_part, input_precision="tf32x3")
             write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, cols, seed,
                              tokens, DV, DK, A_FMT, A_SR, R_FMT, R_SR, SHARED or READ_AFTER)
-        if READ_AFTER:  # the read copy from the fp32 anchor rows just stored: the unrounded state
-            tl.debug_barrier()
-            ck = tl.arange(0, DK)
-            store_tile(load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT), rv_ptr, rs_ptr, rg_ptr, mat,
-                       gidx, head, rv, ck, seed, tokens * 2 + 1, DV, DK, R_FMT, R_SR)
+        if READ_AFTER:
+            read_copy_from_anchor(av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, seed, tokens,
+                                  DV, DK, A_FMT, R_FMT, R_SR)
 
 
 @triton.jit

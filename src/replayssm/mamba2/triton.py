@@ -29,7 +29,7 @@ from .._triton import launch
 from .._triton.launch import after_previous_launch
 from .._triton.decay import segment_to
 from .._triton.window import slot_cursor, slot_row, step_cursor, window_rows, window_scalars
-from .._triton.formats import (load_query, load_read, load_tile, matvec, pin_vector_width, store_tile,
+from .._triton.formats import (load_query, load_read, load_tile, matvec, pin_vector_width, read_copy_from_anchor,
                                write_checkpoint)
 
 
@@ -111,11 +111,9 @@ def _mamba2_refresh_rows(pid_b, head, row, h, r0, seeds_ptr, tokens_ptr, fold_w_
             S += tl.dot(XW, B_c.to(tl.float32), input_precision="tf32x3")
             write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, cols, seed,
                              tokens, DV, DK, A_FMT, A_SR, R_FMT, R_SR, SHARED or READ_AFTER)
-        if READ_AFTER:  # the read copy from the fp32 anchor rows just stored: the unrounded state
-            tl.debug_barrier()
-            ck = tl.arange(0, DK)
-            store_tile(load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT), rv_ptr, rs_ptr, rg_ptr, mat,
-                       gidx, head, rv, ck, seed, tokens * 2 + 1, DV, DK, R_FMT, R_SR)
+        if READ_AFTER:
+            read_copy_from_anchor(av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, seed, tokens,
+                                  DV, DK, A_FMT, R_FMT, R_SR)
 
 
 @triton.jit
