@@ -318,3 +318,22 @@ def test_empty_batch_and_state_dict_round_trip():
     other.load_state_dict(cache.state_dict())
     assert snapshot_diff(snapshot(cache), snapshot(other)) == []
     assert other.config()["kind"] == "kda"
+
+
+def test_channel_constant_decay_is_gated_deltanet():
+    """The oracle itself: with one decay shared by the channels of a head, the KDA recurrence is
+    the Gated DeltaNet recurrence (two independent float64 implementations), and the cache's
+    outputs match both."""
+    layer = make_layer(ARCH)
+    gen = torch.Generator().manual_seed(7)
+    tok = layer.tokens(gen, 2, 12)
+    tok["g"] = tok["g"][..., :1].expand_as(tok["g"]).contiguous()
+    S = torch.randn(2, *layer.state_shape, generator=gen)
+    y_kda, s_kda = rs.kda_reference(S, **tok, use_qk_l2norm=True)
+    y_gdn, s_gdn = rs.gdn_reference(S, **{**tok, "g": tok["g"][..., 0]}, use_qk_l2norm=True)
+    assert (y_kda - y_gdn).abs().max() < 1e-12 and (s_kda - s_gdn).abs().max() < 1e-12
+    cache = layer.cache(2, window=4)
+    cache.load_state(torch.tensor([0, 1]), S)
+    ys = [rs.kda_decode(cache, torch.tensor([1, 0]), **{k: v[[1, 0], t] for k, v in tok.items()},
+                        use_qk_l2norm=True) for t in range(12)]
+    assert (torch.stack(ys, 1)[[1, 0]].double() - y_gdn).abs().max() <= S32_TOL
