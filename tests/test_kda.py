@@ -1,11 +1,14 @@
 """Kimi Delta Attention: the replay decode and verify against the float64 conventional recurrence
 (per-channel decays in (0.2, 0.9999)), every precision preset, the anchor's independence of the
 read format, teeth, and validation."""
+import math
+
 import pytest
 import torch
 
 import replayssm as rs
 import replayssm.backend as backend_module
+import helpers
 from helpers import (READ_BOUND, S32_TOL, Tracker, check_decode_accuracy, check_perturbed_buffer_detected,
                      check_skipped_refresh_detected, make_layer, parts_equal, record, snapshot,
                      snapshot_diff)
@@ -55,6 +58,33 @@ def test_speculative_rounds_match_reference():
     assert min(tr.refreshes[s] for s in (0, 1, 2)) >= 3
     assert tr.max_err <= S32_TOL
     assert tr.state_error([0, 1, 2]) <= S32_TOL
+
+
+class StrongDecayLayer(helpers.KDALayer):
+    """Decays in [0.2, 0.22] on every channel: the log decay since a checkpoint passes the fp32
+    range of exp within a 64-token window."""
+
+    def tokens(self, g, b, T):
+        tok = super().tokens(g, b, T)
+        tok["g"] = torch.log(helpers.log_uniform(g, (b, T, self.HV, self.K), 0.2, 0.22))
+        return tok
+
+
+def test_strong_decays_over_a_long_window():
+    """With |G| past 88.7 (exp(-G) is inf in fp32, so a factored e^{G_t} e^{-G_i} form would
+    give NaN) the per-channel segment sums keep outputs and the fold at fp32 accuracy."""
+    assert torch.isinf(torch.exp(torch.tensor(-62 * math.log(0.22))))  # |G| after 62 tokens
+    layer = StrongDecayLayer(helpers.generator(0))
+    tr = Tracker(layer, layer.cache(1, window=64, max_draft=2))
+    tr.load([0])
+    for _ in range(62):
+        tr.decode([0])
+    tr.verify([0], 2)
+    tr.accept([2])
+    tr.decode([0])  # 64 + 1 > 64: the refresh folds 64 strongly decayed entries
+    assert tr.refreshes[0] == 1
+    assert tr.max_err <= S32_TOL
+    assert tr.state_error([0]) <= S32_TOL
 
 
 def test_decays_span_the_requested_range():
