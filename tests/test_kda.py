@@ -367,3 +367,23 @@ def test_channel_constant_decay_is_gated_deltanet():
     ys = [rs.kda_decode(cache, torch.tensor([1, 0]), **{k: v[[1, 0], t] for k, v in tok.items()},
                         use_qk_l2norm=True) for t in range(12)]
     assert (torch.stack(ys, 1)[[1, 0]].double() - y_gdn).abs().max() <= S32_TOL
+
+
+def test_half_precision_inputs_and_buffer():
+    """bf16 inputs with a bf16 value buffer: the cache sees exactly the inputs the oracle sees
+    (v is stored losslessly), so the error stays at fp32 compute level."""
+    layer = make_layer(ARCH)
+    cache = layer.cache(2, window=4, buffer_dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(8)
+    S = torch.randn(2, *layer.state_shape, generator=gen)
+    slots = torch.tensor([1, 0])
+    cache.load_state(slots, S)
+    ref, err = S.double(), 0.0
+    for _ in range(6):
+        tok = {k: v[:, 0].bfloat16() for k, v in layer.tokens(gen, 2, 1).items()}
+        y = rs.kda_decode(cache, slots, **tok, use_qk_l2norm=True)
+        yref, ref = rs.kda_reference_step(ref, **tok, use_qk_l2norm=True)
+        err = max(err, (y.double() - yref).abs().max().item())
+    assert cache.buffer["v"].dtype == torch.bfloat16
+    assert err <= S32_TOL
+    assert (cache.materialize(slots).double() - ref).abs().max() <= S32_TOL
