@@ -1,8 +1,8 @@
 """Kimi Delta Attention ReplaySSM in PyTorch: residual solves, the fold (refresh), output-only form.
 
 KDA is Gated DeltaNet with a decay per key channel: S_j = S_{j-1} D_j + u_j k_j^T with
-D_j = Diag(exp(g_j)) and residuals u_j = beta_j (v_j - S_{j-1} D_j k_j). Every scalar product of
-the GDN form becomes a decay-weighted one, (docs/design.md, section "Kimi Delta Attention")
+D_j = Diag(exp(g_j)) and residuals u_j = beta_j (v_j - S_{j-1} D_j k_j) (docs/design.md, section 2,
+"Kimi Delta Attention"). Every scalar product of the GDN form becomes a decay-weighted one,
 
     <a, b>_{i:t} = sum_c a_c b_c exp(sum_{i < m <= t} g_{m,c}),
 
