@@ -23,6 +23,9 @@ MEASURED: dict = {}
 #: Max abs error allowed for s32_rs (fp32 anchor, fp32 buffers) at unit-scale inputs.
 S32_TOL = S32_MAX_ABS
 
+#: Loose bound on max|y - y_ref| / max|y_ref| per read format (anchor drift included).
+READ_BOUND = {"fp32": S32_TOL, "fp16": 2e-3, "bf16": 1.5e-2, "fp8_e4m3": 0.1, "nvfp4": 0.5}
+
 #: The default test geometry (H, P, N, G), from the library's one geometry table.
 TINY = GEOMETRIES["tiny"].geometry
 
@@ -124,7 +127,32 @@ class GDNLayer:
         return rs.gdn_reference(state, **tok, use_qk_l2norm=True)
 
 
-LAYERS = {"mamba2": Mamba2Layer, "gdn": GDNLayer}
+class KDALayer(GDNLayer):
+    """A Kimi Delta Attention layer: the GDN geometry with one log decay per key channel,
+    g [b, T, HV, K], decays exp(g) log-uniform in [0.2, 0.9999] per channel."""
+
+    name = "kda"
+    backend = None
+
+    def cache(self, num_slots, **kw):
+        return rs.KDACache(num_slots, self.HK, self.HV, self.K, self.V, **kw)
+
+    def tokens(self, g, b, T):
+        tok = super().tokens(g, b, T)
+        tok["g"] = torch.log(log_uniform(g, (b, T, self.HV, self.K), 0.2, 0.9999))
+        return tok
+
+    def run(self, cache, slots, tok, verify):
+        if verify:
+            return rs.kda_verify(cache, slots, **tok, use_qk_l2norm=True, backend=self.backend)
+        one = {k: v[:, 0] for k, v in tok.items()}
+        return rs.kda_decode(cache, slots, **one, use_qk_l2norm=True, backend=self.backend)[:, None]
+
+    def reference(self, state, tok):
+        return rs.kda_reference(state, **tok, use_qk_l2norm=True)
+
+
+LAYERS = {"mamba2": Mamba2Layer, "gdn": GDNLayer, "kda": KDALayer}
 
 
 def make_layer(arch, seed=0, **geometry):
@@ -280,7 +308,7 @@ class Tracker:
 # Scenarios shared by the per-architecture test files
 # ------------------------------------------------------------------------------------------------
 #: Buffer field whose perturbation changes the very next output (teeth checks).
-PERTURB_FIELD = {"mamba2": "x", "gdn": "k"}
+PERTURB_FIELD = {"mamba2": "x", "gdn": "k", "kda": "k"}
 
 
 def decode_accuracy(arch, steps=48, window=16, precision="s32_rs", seed=0):

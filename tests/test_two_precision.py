@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import replayssm as rs
-from helpers import (S32_TOL, Tracker, make_layer, parts_equal, record, slot_parts)
+from helpers import (READ_BOUND, Tracker, make_layer, parts_equal, record, slot_parts)
 
 ARCHS = ["mamba2", "gdn"]
 
@@ -17,9 +17,6 @@ ANCHOR_GROUPS = {
     "fp32": ["s32_rs", "tp16_hi32", "tp8_hi32", "tp4_hi32"],
     "fp16_sr": ["tp4_hi16_sr", HI16SR_READ16],
 }
-
-#: Loose bound on max|y - y_ref| / max|y_ref| per read format (anchor drift included).
-READ_BOUND = {"fp32": S32_TOL, "fp16": 2e-3, "bf16": 1.5e-2, "fp8_e4m3": 0.1, "nvfp4": 0.5}
 
 STEPS, WINDOW = 48, 16
 SLOTS = [0, 1]

@@ -1,6 +1,7 @@
-"""replayssm: decode state-space layers (Mamba-2, Gated DeltaNet) from a checkpoint written every
-L tokens plus a replay buffer of each token's small inputs, with speculative verify, pointer-move
-rollback and a high-precision anchor kept apart from a low-precision read copy.
+"""replayssm: decode state-space layers (Mamba-2, Gated DeltaNet, Kimi Delta Attention) from a
+checkpoint written every L tokens plus a replay buffer of each token's small inputs, with
+speculative verify, pointer-move rollback and a high-precision anchor kept apart from a
+low-precision read copy.
 
 Every public name is imported on first use, so that ``import replayssm`` (and ``replayssm --help``)
 does not load torch until something needs it.
@@ -18,6 +19,9 @@ _EXPORTS = {
     "GDNCache": "gdn.cache",
     "gdn_decode": "gdn.ops", "gdn_verify": "gdn.ops",
     "gdn_reference": "gdn.reference", "gdn_reference_step": "gdn.reference",
+    "KDACache": "kda.cache",
+    "kda_decode": "kda.ops", "kda_verify": "kda.ops",
+    "kda_reference": "kda.reference", "kda_reference_step": "kda.reference",
     "Mamba2Cache": "mamba2.cache",
     "mamba2_decode": "mamba2.ops", "mamba2_verify": "mamba2.ops",
     "mamba2_reference": "mamba2.reference", "mamba2_reference_step": "mamba2.reference",

@@ -1,0 +1,87 @@
+"""Public Kimi Delta Attention calls: ``kda_decode`` and ``kda_verify``.
+
+public call -> argument checks -> input preparation (L2 norm, scale) -> PyTorch backend.
+
+Only the PyTorch backend exists for KDA: ``backend="triton"``, and ``backend=None`` on a CUDA
+cache (which picks Triton for the other layer kinds), raise ``ValueError`` before anything is
+written. Both calls are inference (``torch.no_grad()``); slot ids (int32 or int64, any strides)
+reach the backend as a contiguous int64 tensor; an empty batch computes nothing.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import checks
+from ..backend import pick_backend
+from ..gdn.ops import l2norm
+from ..step import torch_step
+from . import replay
+
+
+def _check_backend(cache, backend):
+    """The backend this call uses: always "torch" (raises for Triton, named or picked)."""
+    if pick_backend(cache, backend) == "triton":
+        how = "backend='triton' was passed" if backend == "triton" else \
+            f"backend=None picks Triton for a cache on {cache.device}"
+        raise ValueError(f"backend: the KDA Triton kernels do not exist yet ({how}); "
+                         "pass backend='torch'")
+    return "torch"
+
+
+def _check(cache, slots, q, k, v, g, beta, scale, backend, draft: bool):
+    """Validate every argument; returns the slots as contiguous int64."""
+    _check_backend(cache, backend)
+    slots = checks.slot_ids(cache, slots)
+    b = slots.shape[0]
+    HK, HV, K, V = cache.num_k_heads, cache.num_v_heads, cache.head_k_dim, cache.head_v_dim
+    T = q.shape[1] if draft and isinstance(q, torch.Tensor) and q.dim() == 4 else 1
+    if draft:
+        checks.check_draft_len(cache, T)
+    lead = (b, T) if draft else (b,)
+    dev = cache.device
+    checks.check_tensor("q", q, (*lead, HK, K), dev)
+    checks.check_tensor("k", k, (*lead, HK, K), dev)
+    checks.check_tensor("v", v, (*lead, HV, V), dev)
+    checks.check_tensor("g", g, (*lead, HV, K), dev)
+    checks.check_tensor("beta", beta, (*lead, HV), dev)
+    if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)):
+        raise ValueError(f"scale must be a float or None, got {scale!r}")
+    checks.check_finite_nonpositive("g", g, cache)
+    checks.check_no_pending(cache, slots)
+    return slots
+
+
+def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit):
+    if scale is None:
+        scale = cache.head_k_dim ** -0.5
+    if slots.shape[0] == 0:  # nothing to compute or store
+        return torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    q, k = (l2norm(q), l2norm(k)) if use_qk_l2norm else (q.float(), k.float())
+    q = q * scale
+    entries = {"k": k, "v": v, "g": g.float(), "beta": beta.float()}
+    return torch_step(cache, slots, q.shape[1], entries,
+                      lambda state, buf, h: replay.outputs(state, buf, h, q), commit)
+
+
+@torch.no_grad()
+def kda_decode(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, backend=None):
+    """One decode token per slot; refreshes the checkpoint when the window is full.
+
+    slots int32/int64 [b] (-1 = pad); q, k [b, HK, K]; v [b, HV, V]; g [b, HV, K] (per-channel
+    log decay <= 0); beta [b, HV]. Inputs fp32/fp16/bf16. ``backend`` None or "torch".
+    Returns o fp32 [b, HV, V] (zero for pads).
+    """
+    slots = _check(cache, slots, q, k, v, g, beta, scale, backend, draft=False)
+    u = lambda t: t.unsqueeze(1)  # noqa: E731
+    return _step(cache, slots, u(q), u(k), u(v), u(g), u(beta), scale, use_qk_l2norm, True)[:, 0]
+
+
+@torch.no_grad()
+def kda_verify(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, backend=None):
+    """Verify T drafts per slot, output-only; nothing is committed until ``cache.accept``.
+
+    q, k [b, T, HK, K]; v [b, T, HV, V]; g [b, T, HV, K]; beta [b, T, HV].
+    Returns o fp32 [b, T, HV, V].
+    """
+    slots = _check(cache, slots, q, k, v, g, beta, scale, backend, draft=True)
+    return _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, False)
