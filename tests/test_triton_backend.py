@@ -158,6 +158,38 @@ def test_triton_read_precision_and_tile_leave_anchor_bit_identical(arch):
     assert not torch.equal(torch.cat(outs["s32_rs"]), torch.cat(outs["tp8_hi32"]))
 
 
+#: Heads whose dv is a multiple of 16 but not of 32 (Nemotron-Nano's headdim 80; dv = 48): programs
+#: of 16 rows, fold sub-tiles of 16 rows, NVFP4 global scales per 16 rows.
+ODD_ROWS = {"mamba2": dict(nheads=2, headdim=80, dstate=32, ngroups=1),
+            "gdn": dict(num_k_heads=1, num_v_heads=2, head_k_dim=32, head_v_dim=48)}
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
+def test_triton_heads_of_16_row_multiples_match_float64(arch):
+    """dv = 80 / 48 on the Triton backend: decode and verify rounds with every accept count across
+    refreshes against the float64 recurrence (s32_rs); an fp8 and an NVFP4 read copy keep the fp32
+    anchor's bits; every row of the head is computed (a program count that skipped the last rows
+    would leave them at the poisoned NaN)."""
+    layer = TritonLayer(arch, **ODD_ROWS[arch])
+    tr = helpers.Tracker(layer, layer.cache(4, window=8, max_draft=4), seed=12)
+    _schedule(tr, rounds=5, rng=None)
+    tr.check_counters([0, 1, 2])
+    assert tr.max_rel <= 2e-5, tr.max_rel
+    assert tr.state_error([0, 1, 2]) <= 1e-5
+    g = helpers.generator(13)
+    slots = torch.tensor([0, 1])
+    state = torch.randn(2, *layer.state_shape, generator=g)
+    caches = {p: layer.cache(2, window=4, max_draft=2, precision=p) for p in ("s32_rs", "tp8_hi32", "tp4_hi32")}
+    for c in caches.values():
+        c.load_state(slots, state)
+    for step in range(6):
+        tok = layer.tokens(g, 2, 1)
+        for c in caches.values():
+            assert torch.isfinite(layer.run(c, slots, tok, False)).all()
+    anchors = [c.anchor["values"][:2] for c in caches.values()]
+    assert all(torch.equal(anchors[0], a) for a in anchors[1:])
+
+
 def test_triton_rejects_geometry_it_cannot_tile():
     cache = rs.Mamba2Cache(2, 2, 8, 16)
     before = helpers.snapshot(cache)

@@ -191,11 +191,14 @@ def format_args(cache):
 
 
 def check_geometry(cache):
-    """The kernels tile whole rows of a head: dv, dk powers of two >= 16 (dk >= 32 with fp8)."""
-    for name, n in (("dv", cache.dv), ("dk", cache.dk)):
-        if n < 16 or n & (n - 1):
-            raise ValueError(f"backend='triton' needs {name} to be a power of two >= 16, got {n}; "
-                             "use backend='torch' for this geometry")
+    """The kernels tile a head's rows 16 or 32 at a time and hold whole rows: dv a multiple of 16
+    (headdim 80 of Nemotron-Nano, 48, 96, ...), dk a power of two >= 16 (>= 32 with fp8)."""
+    if cache.dv < 16 or cache.dv % 16:
+        raise ValueError(f"backend='triton' needs dv to be a multiple of 16, got {cache.dv}; "
+                         "use backend='torch' for this geometry")
+    if cache.dk < 16 or cache.dk & (cache.dk - 1):
+        raise ValueError(f"backend='triton' needs dk to be a power of two >= 16, got {cache.dk}; "
+                         "use backend='torch' for this geometry")
     fmts = {cache.precision.anchor.name, cache.precision.read_format.name}
     if "fp8_e4m3" in fmts and cache.dk < 32:
         raise ValueError("backend='triton' with an fp8 format needs dk >= 32")
@@ -262,9 +265,10 @@ SPLIT_MIN_BATCH = 64
 
 def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> StepShape:
     """The launch shape of a step of T tokens over ``batch`` rows of ``cache`` (``SHAPES``; the
-    refresh a branch below SPLIT_MIN_BATCH rows; ``TUNING`` over it). Rows
-    are a multiple of FOLD_ROWS (whole NVFP4 global-scale blocks, which are 32-row blocks) or the
-    head's dv when that is smaller; no products on tensor cores for an NVFP4 read copy."""
+    refresh a branch below SPLIT_MIN_BATCH rows; ``TUNING`` over it). Rows are a multiple of
+    FOLD_ROWS that divides dv, or the cache's row block (gcd(dv, 32): 16 for dv = 80) where dv is
+    not a multiple of FOLD_ROWS or is at most FOLD_ROWS, and with NVFP4 (a program owns whole
+    global-scale blocks); no products on tensor cores for an NVFP4 read copy."""
     fmt = cache.precision.read_format.name
     found = BASE_SHAPE
     for least, fields in SHAPES[(arch, fmt)]:
@@ -274,9 +278,9 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
         found = found._replace(split=False)
     found = found._replace(**TUNING)
     rows = found.rows
-    if cache.dv <= FOLD_ROWS or _uses_nvfp4(cache):
+    if cache.dv <= FOLD_ROWS or cache.dv % FOLD_ROWS or _uses_nvfp4(cache):
         rows = cache.row_block
-    elif rows % FOLD_ROWS or rows > cache.dv:
+    elif rows % FOLD_ROWS or rows > cache.dv or cache.dv % rows:
         rows = FOLD_ROWS
     output_dot = found.output_dot and fmt != "nvfp4"
     return found._replace(rows=rows, output_dot=output_dot, stream=found.stream if output_dot else 0)
