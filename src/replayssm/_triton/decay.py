@@ -21,3 +21,11 @@ def segment_to(la, t):
     """[LP] sums of la over j < k <= t, for every j (the decay from entry j to position t)."""
     k = tl.arange(0, la.shape[0])
     return tl.sum(tl.where((k[None, :] > k[:, None]) & (k[None, :] <= t), la[None, :], 0.0), 1)
+
+
+@triton.jit
+def softplus(x):
+    """torch's softplus (beta 1, threshold 20) in fp32, with log1p(e^x) by Kahan's correction."""
+    e = tl.exp(tl.minimum(x, 20.0))
+    u = 1.0 + e
+    return tl.where(x > 20.0, x, tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0))))

@@ -9,6 +9,7 @@ the backends as a contiguous int64 tensor; an empty batch launches nothing.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .. import checks
 from ..backend import pick_backend
@@ -22,8 +23,9 @@ def l2norm(x, eps=1e-6):
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def _check(cache, slots, q, k, v, g, beta, scale, draft: bool):
-    """Validate every argument; returns the slots as contiguous int64."""
+def _check(cache, slots, q, k, v, g, beta, scale, draft: bool, gate=None):
+    """Validate every argument; returns the slots as contiguous int64. ``gate``: the raw gate
+    inputs (a, b, A_log, dt_bias), given instead of g and beta."""
     slots = checks.slot_ids(cache, slots)
     b = slots.shape[0]
     HK, HV, K, V = cache.num_k_heads, cache.num_v_heads, cache.head_k_dim, cache.head_v_dim
@@ -35,16 +37,35 @@ def _check(cache, slots, q, k, v, g, beta, scale, draft: bool):
     checks.check_tensor("q", q, (*lead, HK, K), dev)
     checks.check_tensor("k", k, (*lead, HK, K), dev)
     checks.check_tensor("v", v, (*lead, HV, V), dev)
-    checks.check_tensor("g", g, (*lead, HV), dev)
-    checks.check_tensor("beta", beta, (*lead, HV), dev)
+    if gate is None:
+        checks.check_tensor("g", g, (*lead, HV), dev)
+        checks.check_tensor("beta", beta, (*lead, HV), dev)
+    else:
+        if g is not None or beta is not None:
+            raise ValueError("g and beta must be None when the raw gate inputs a, b, A_log are given")
+        gate_a, gate_b, A_log, dt_bias = gate
+        if gate_a is None or gate_b is None or A_log is None:
+            raise ValueError("a, b and A_log go together (dt_bias optional), or give g and beta")
+        checks.check_tensor("a", gate_a, (*lead, HV), dev)
+        checks.check_tensor("b", gate_b, (*lead, HV), dev)
+        checks.check_tensor("A_log", A_log, (HV,), dev)
+        checks.check_tensor("dt_bias", dt_bias, (HV,), dev, optional=True)
     if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)):
         raise ValueError(f"scale must be a float or None, got {scale!r}")
-    checks.check_finite_nonpositive("g", g, cache)
+    if gate is None:
+        checks.check_finite_nonpositive("g", g, cache)
     checks.check_no_pending(cache, slots)
     return slots
 
 
-def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend, out, out_dtype):
+def gates(gate_a, gate_b, A_log, dt_bias=None):
+    """(g, beta) fp32 from the raw gate inputs, as flash-linear-attention's gated delta rule takes
+    them: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)."""
+    x = gate_a.float() if dt_bias is None else gate_a.float() + dt_bias.float()
+    return -torch.exp(A_log.float()) * F.softplus(x), torch.sigmoid(gate_b.float())
+
+
+def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend, out, out_dtype, gate=None):
     """o [b, T, HV, V] of ``out_dtype``, written into ``out`` ([b, T, HV, V] view) when given."""
     if scale is None:
         scale = cache.head_k_dim ** -0.5
@@ -54,40 +75,47 @@ def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend,
     if kind == "triton":  # prepares q, k, g, beta inside its kernels
         from . import triton as kernels
         o = out if out is not None and out.is_contiguous() else torch.empty(v.shape, dtype=out_dtype, device=v.device)
-        kernels.step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, o)
+        kernels.step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, o, gate)  # gates in-kernel
         return o if out is None or o is out else out.copy_(o)
     q, k = (l2norm(q), l2norm(k)) if use_qk_l2norm else (q.float(), k.float())
     q = q * scale
-    g, beta = g.float(), beta.float()
+    g, beta = gates(*gate) if gate is not None else (g.float(), beta.float())
     entries = {"k": k, "v": v, "g": g, "beta": beta}
     o = torch_step(cache, slots, q.shape[1], entries, lambda state, buf, h: replay.outputs(state, buf, h, q), commit)
     return o.to(out_dtype) if out is None else out.copy_(o)
 
 
 @torch.no_grad()
-def gdn_decode(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, backend=None, out=None,
-               out_dtype=None):
+def gdn_decode(cache, slots, q, k, v, g=None, beta=None, scale=None, use_qk_l2norm=False, backend=None, out=None,
+               out_dtype=None, a=None, b=None, A_log=None, dt_bias=None):
     """One decode token per slot; refreshes the checkpoint when the window is full.
 
     slots int32/int64 [b] (-1 = pad); q, k [b, HK, K]; v [b, HV, V]; g [b, HV] (log decay <= 0);
-    beta [b, HV]. Inputs fp32/fp16/bf16. Returns o [b, HV, V] (zero for pads), fp32 unless
-    ``out_dtype`` (fp16/bf16: the kernels store the rounded outputs); written into ``out`` when given.
+    beta [b, HV]; or instead of g and beta the raw gate inputs a, b [b, HV], A_log [HV] and
+    optionally dt_bias [HV] (``gates``; on the Triton backend computed inside its first launch).
+    Inputs fp32/fp16/bf16. Returns o [b, HV, V] (zero for pads), fp32 unless ``out_dtype``
+    (fp16/bf16: the kernels store the rounded outputs); written into ``out`` when given.
     """
-    slots = _check(cache, slots, q, k, v, g, beta, scale, draft=False)
+    gate = None if a is None and b is None and A_log is None else (a, b, A_log, dt_bias)
+    slots = _check(cache, slots, q, k, v, g, beta, scale, draft=False, gate=gate)
     dtype = checks.output_spec(out, out_dtype, tuple(v.shape), cache.device)
     u = lambda t: None if t is None else t.unsqueeze(1)  # noqa: E731
-    o = _step(cache, slots, u(q), u(k), u(v), u(g), u(beta), scale, use_qk_l2norm, True, backend, u(out), dtype)
+    if gate is not None:
+        gate = (u(a), u(b), A_log, dt_bias)
+    o = _step(cache, slots, u(q), u(k), u(v), u(g), u(beta), scale, use_qk_l2norm, True, backend, u(out), dtype,
+              gate)
     return o[:, 0] if out is None else out
 
 
 @torch.no_grad()
-def gdn_verify(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, backend=None, out=None,
-               out_dtype=None):
+def gdn_verify(cache, slots, q, k, v, g=None, beta=None, scale=None, use_qk_l2norm=False, backend=None, out=None,
+               out_dtype=None, a=None, b=None, A_log=None, dt_bias=None):
     """Verify T drafts per slot, output-only; nothing is committed until ``cache.accept``.
 
-    q, k [b, T, HK, K]; v [b, T, HV, V]; g, beta [b, T, HV]. Returns o [b, T, HV, V] (``out``,
-    ``out_dtype`` as in decode).
+    q, k [b, T, HK, K]; v [b, T, HV, V]; g, beta (or a, b) [b, T, HV]; A_log, dt_bias [HV]. Returns
+    o [b, T, HV, V] (``out``, ``out_dtype`` as in decode).
     """
-    slots = _check(cache, slots, q, k, v, g, beta, scale, draft=True)
+    gate = None if a is None and b is None and A_log is None else (a, b, A_log, dt_bias)
+    slots = _check(cache, slots, q, k, v, g, beta, scale, draft=True, gate=gate)
     dtype = checks.output_spec(out, out_dtype, tuple(v.shape), cache.device)
-    return _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, False, backend, out, dtype)
+    return _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, False, backend, out, dtype, gate)

@@ -36,7 +36,7 @@ import triton.language as tl
 
 from .._triton import launch
 from .._triton.launch import after_previous_launch
-from .._triton.decay import segment_to, suffix_sums
+from .._triton.decay import segment_to, softplus, suffix_sums
 from .._triton.window import slot_cursor, slot_row, step_cursor, window_rows, window_scalars
 from .._triton.formats import (column, load_query, load_read, load_tile, matvec, pin_vector_width,
                                products_on_tensor_cores, read_copy_from_anchor, streamed_products,
@@ -76,18 +76,34 @@ def _residual_inverse(bg_ptr, bbeta_ptr, row, vhead, h, gram, HV, L: tl.constexp
 
 @triton.jit
 def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, bbeta_ptr, k_ptr, q_ptr, kn_ptr,
-                       qn_ptr, scores_ptr, tinv_ptr, decays_ptr, scale, SCRATCH, HK, HV,
+                       qn_ptr, scores_ptr, tinv_ptr, decays_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, gn_ptr, betan_ptr,
+                       scale, SCRATCH, HK, HV,
                        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, RATIO: tl.constexpr,
-                       SQUARINGS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+                       SQUARINGS: tl.constexpr, NORM: tl.constexpr, GATE: tl.constexpr, HAS_DTB: tl.constexpr,
+                       RP: tl.constexpr, PDL: tl.constexpr):
     """Once per (batch row, key head): the T new keys and queries prepared in fp32 (L2-normalized
     when NORM, as flash-linear-attention's l2norm, queries times ``scale``) into kn, qn [b, T, HK, K]
     for the other launches; the batch row's committed count into ``cursors`` [b]; then
     scores[b, kh, 0, s, j] = k_j . q_s and scores[b, kh, 1, s, j] = k_j . k_s over the entries of
     the window (committed + new). For a slot due to refresh, per value head of the key head:
-    tinv[b, vh] = (I + M)^{-T} [LP, LP] and decays[b, vh] = (e^{c_j}, e^{g(j, h)}, e^{c_h} at 2, 0)."""
+    tinv[b, vh] = (I + M)^{-T} [LP, LP] and decays[b, vh] = (e^{c_j}, e^{g(j, h)}, e^{c_h} at 2, 0).
+    GATE: the new tokens' gates of the key head's value heads from the raw inputs, as
+    flash-linear-attention's gated delta rule takes them: g = -exp(A_log) softplus(a + dt_bias) and
+    beta = sigmoid(b) into gn, betan [b, T, HV] fp32 for the other launches."""
     after_previous_launch(PDL)
     pid_b, khead = tl.program_id(0), tl.program_id(1)
     ck = tl.arange(0, DK)
+    if GATE:
+        vh = khead * RATIO + tl.arange(0, RP)
+        mine = tl.arange(0, RP) < RATIO
+        decay_rate = tl.exp(tl.load(alog_ptr + vh, mask=mine, other=0.0).to(tl.float32))
+        for s in tl.static_range(T):
+            at = (pid_b * T + s) * HV + vh
+            x = tl.load(a_ptr + at, mask=mine, other=0.0).to(tl.float32)
+            if HAS_DTB:
+                x += tl.load(dtb_ptr + vh, mask=mine, other=0.0).to(tl.float32)
+            tl.store(gn_ptr + at, -decay_rate * softplus(x), mask=mine)
+            tl.store(betan_ptr + at, tl.sigmoid(tl.load(b_ptr + at, mask=mine, other=0.0).to(tl.float32)), mask=mine)
     for s in tl.static_range(T):
         at = ((pid_b * T + s) * HK + khead) * DK + ck
         k = tl.load(k_ptr + at).to(tl.float32)
@@ -311,20 +327,30 @@ def _gdn_step_kernel(
         tl.store(bu_ptr + (tok_buf * HV + head) * DV + rv, u_s)
 
 
-def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: bool, o):
+def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: bool, o, gate=None):
     """One GDN decode (T = 1) or verify step on the Triton backend.
 
     q, k [b, T, HK, K] as given to the public call (L2-normalized here when ``normalize``; q
     times ``scale``); v [b, T, HV, V]; g, beta [b, T, HV]; any float dtypes. Writes the outputs
     into o [b, T, HV, V] (contiguous, fp32/fp16/bf16; pads zero). The input preparation happens
-    inside the first launch.
+    inside the first launch. ``gate``: (a, b [b, T, HV], A_log [HV], dt_bias [HV] or None) instead
+    of g and beta (both None), the gates computed in the first launch.
     """
     launch.check_geometry(cache)
     b, T, HV, V = v.shape
     HK, K = cache.num_k_heads, cache.head_k_dim
     dev = v.device
     anchor, read, consts = launch.format_args(cache)
+    if gate is not None:
+        a, bg, A_log, dt_bias = gate
+        a, bg, A_log = a.contiguous(), bg.contiguous(), A_log.contiguous()
+        dt_bias = A_log if dt_bias is None else dt_bias.contiguous()
+        g = torch.empty(a.shape, dtype=torch.float32, device=dev)
+        beta = torch.empty_like(g)
+        gate_args = (a, bg, A_log, dt_bias, g, beta)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    if gate is None:
+        gate_args = (g, beta, g, g, g, beta)  # never read (GATE off)
     shape = launch.step_shape(cache, "gdn", T, b)
     buf = cache.buffer
     LP = launch.window_pad(cache)
@@ -335,8 +361,9 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     decays = torch.empty(b, HV, 3, LP, dtype=torch.float32, device=dev)
     cursors = torch.empty(b, dtype=cache.committed.dtype, device=dev)
     launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], buf["g"], buf["beta"], k, q,
-               kn, qn, scores, tinv, decays, float(scale), cache.scratch_row, HK, HV, T=T, L=cache.window, LP=LP,
-               DK=K, RATIO=HV // HK, SQUARINGS=LP.bit_length() - 2, NORM=normalize)
+               kn, qn, scores, tinv, decays, *gate_args, float(scale), cache.scratch_row, HK, HV, T=T, L=cache.window,
+               LP=LP, DK=K, RATIO=HV // HK, SQUARINGS=LP.bit_length() - 2, NORM=normalize, GATE=gate is not None,
+               HAS_DTB=gate is not None and gate[3] is not None, RP=triton.next_power_of_2(HV // HK))
     FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "gdn")
     read_after = launch.read_copy_after_fold(cache)
     if shape.split:

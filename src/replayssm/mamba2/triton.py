@@ -27,7 +27,7 @@ import triton.language as tl
 
 from .._triton import launch
 from .._triton.launch import after_previous_launch
-from .._triton.decay import segment_to
+from .._triton.decay import segment_to, softplus
 from .._triton.window import slot_cursor, slot_row, step_cursor, window_rows, window_scalars
 from .._triton.formats import (load_query, load_read, load_tile, matvec, pin_vector_width, read_copy_from_anchor,
                                write_checkpoint)
@@ -53,10 +53,8 @@ def _mamba2_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bB_ptr, bdt_ptr
         d = tl.load(dt_ptr + at, mask=mine, other=0.0).to(tl.float32)
         if HAS_BIAS:
             d += tl.load(bias_ptr + heads, mask=mine, other=0.0).to(tl.float32)
-        if SOFTPLUS:  # torch's softplus (threshold 20), with log1p(e) by Kahan's correction
-            e = tl.exp(tl.minimum(d, 20.0))
-            u = 1.0 + e
-            d = tl.where(d > 20.0, d, tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0))))
+        if SOFTPLUS:
+            d = softplus(d)
         tl.store(dtn_ptr + at, d, mask=mine)
         tl.store(la_ptr + at, A * d, mask=mine)
     _, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
