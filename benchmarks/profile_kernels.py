@@ -5,7 +5,7 @@ configuration each kernel's mean device time per step, its launches per step, an
 and longest single launch (in aligned windows the shortest refresh launch is one with no slot due).
 
     PYTHONPATH=src python3 benchmarks/profile_kernels.py gdn:s32_rs mamba2:tp8_hi32:::4 \\
-        gdn:s32_rs:aligned mamba2:s32_rs::32x1dse/32x2 mamba2:conv
+        gdn:s32_rs:aligned mamba2:s32_rs::32x1f mamba2:conv
 
 Each argument is ``arch:preset[:mode[:shape[:T]]]``, as for ``profile_steps.py`` (the ncu
 driver, which runs its own small setup): preset ``conv`` = our conventional kernel; mode
