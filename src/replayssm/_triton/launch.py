@@ -225,14 +225,23 @@ class StepShape(NamedTuple):
 #: Step shapes by (architecture, read format): entries (least draft length, fields of StepShape that
 #: differ from ``BASE_SHAPE``), by increasing least length; a step of T tokens takes the last entry
 #: whose least length is <= T. Each is the fastest measured on an H200 at batch 256, staggered
-#: windows, real geometries (BENCHMARKS.md). One warp per 32 rows keeps row reductions inside a
-#: warp; NVFP4 takes 4 warps (one cannot hide its nibble decoding). The refresh is a branch of the
-#: step where its registers cost the plain programs less than a launch of its own costs (Mamba-2
-#: decode from fp32 and 2-byte read copies: 309 against 352 us for s32_rs), else a launch of its
-#: own (GDN; narrow read copies; verify steps). GDN verify steps of T >= 4 run their read-copy
-#: products on tensor cores, streamed. The pin: Triton loads an fp32 tile 4 elements per thread and
-#: an fp16 tile 8, spreading a 128-wide row over a whole warp, so every row reduction ends in 5
-#: rounds of shuffles; pinned to 16 per thread, 3.
+#: windows, real geometries, in one sweep of branch / launch x fold pipeline stages x refresh warps
+#: x a register cap (us per step or round, the entry's figure first):
+#:
+#: - the refresh a branch of the step: Mamba-2 decode from fp32 (309.1 against 351.6 as a launch)
+#:   and 2-byte read copies (229.4 with a 168-register cap, 235.0 without, 236.3 as a launch), GDN
+#:   verify of T >= 4 from fp32 (889.3 against 913.9);
+#: - a launch of its own everywhere else: GDN decode s32_rs 422.3 (branch 443.9), tp16_hi32 375.5
+#:   (393.7), tp8_hi32 340.2 (379.3), tp4_hi32 576.0 (686.8); Mamba-2 tp8_hi32 222.1 (238.5),
+#:   tp4_hi32 400.9 with 4-warp refresh programs (431.5); verify of T = 4: Mamba-2 s32_rs 643.3
+#:   (652.8), tp16_hi32 569.7 (593.3), GDN tp16_hi32 853.5 (900.2);
+#: - 3 fold stages in flight beat 2 in a launch, 2 beat 1 in a branch (GDN decode 443.9 / 466.0).
+#:
+#: One warp per 32 rows keeps row reductions inside a warp; NVFP4 takes 4 warps (one cannot hide
+#: its nibble decoding). GDN verify steps of T >= 4 run their read-copy products on tensor cores,
+#: streamed. The pin: Triton loads an fp32 tile 4 elements per thread and an fp16 tile 8, spreading
+#: a 128-wide row over a whole warp, so every row reduction ends in 5 rounds of shuffles; pinned to
+#: 16 per thread, 3.
 BASE_SHAPE = StepShape(rows=32, warps=1, pin=0, output_dot=False, stream=0, split=True, stages=3)
 _VERIFY_DOT = dict(output_dot=True, stream=3)
 SHAPES = {
