@@ -44,8 +44,10 @@ def _check(cache, slots, q, k, v, g, beta, scale, draft: bool):
     return slots
 
 
-def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend, out, out_dtype):
-    """o [b, T, HV, V] of ``out_dtype``, written into ``out`` ([b, T, HV, V] view) when given."""
+def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend, out, out_dtype,
+          parents=None):
+    """o [b, T, HV, V] of ``out_dtype``, written into ``out`` ([b, T, HV, V] view) when given.
+    ``parents`` int64 [b, T] (validated, PyTorch backend only) for a tree verify."""
     if scale is None:
         scale = cache.head_k_dim ** -0.5
     kind = pick_backend(cache, backend)
@@ -60,7 +62,8 @@ def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend,
     q = q * scale
     g, beta = g.float(), beta.float()
     entries = {"k": k, "v": v, "g": g, "beta": beta}
-    o = torch_step(cache, slots, q.shape[1], entries, lambda state, buf, h: replay.outputs(state, buf, h, q), commit)
+    o = torch_step(cache, slots, q.shape[1], entries,
+                   lambda state, buf, h, vis=None: replay.outputs(state, buf, h, q, vis), commit, parents)
     return o.to(out_dtype) if out is None else out.copy_(o)
 
 
@@ -82,12 +85,15 @@ def gdn_decode(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, 
 
 @torch.no_grad()
 def gdn_verify(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, backend=None, out=None,
-               out_dtype=None):
+               out_dtype=None, parents=None):
     """Verify T drafts per slot, output-only; nothing is committed until ``cache.accept``.
 
-    q, k [b, T, HK, K]; v [b, T, HV, V]; g, beta [b, T, HV]. Returns o [b, T, HV, V] (``out``,
-    ``out_dtype`` as in decode).
+    q, k [b, T, HK, K]; v [b, T, HV, V]; g, beta [b, T, HV]. parents int32/int64 [b, T] for a
+    draft tree (None: a chain), as in ``mamba2_verify``: each draft's residual and output are those
+    of its own ancestor chain. PyTorch backend only for now.
+    Returns o [b, T, HV, V] (``out``, ``out_dtype`` as in decode).
     """
     slots = _check(cache, slots, q, k, v, g, beta, scale, draft=True)
     dtype = checks.output_spec(out, out_dtype, tuple(v.shape), cache.device)
-    return _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, False, backend, out, dtype)
+    parents = checks.draft_parents(cache, slots, parents, q.shape[1], pick_backend(cache, backend))
+    return _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, False, backend, out, dtype, parents)
