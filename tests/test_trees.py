@@ -58,6 +58,7 @@ class TreeDriver:
         self.refreshes = {s: 0 for s in range(num_slots)}
         self.max_err = 0.0
         self.moved = 0  # accepted paths that are not 0, 1, 2, ... (entries had to move)
+        self.depths = set()  # (n, depth of the chosen node's path) accepted on real rows
 
     def take(self, tok, i, idx):
         return {k: v[i:i + 1, idx] for k, v in tok.items()}
@@ -91,6 +92,8 @@ class TreeDriver:
             paths[i, :len(path)] = torch.tensor(path)  # entries past n are ignored
             counts.append(n)
             self.moved += s >= 0 and path[:n] != list(range(n))
+            if s >= 0:
+                self.depths.add((n, len(path)))
             if s >= 0 and n:
                 _, self.ref[s] = self.layer.reference(self.ref[s], self.take(tok, i, path[:n]))
                 self.h[s] += n
@@ -122,9 +125,10 @@ def mixed_rounds(d, rounds, T_max=5):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_tree_path_matches_the_recurrence(arch):
     d = TreeDriver(arch)
-    mixed_rounds(d, 14)
+    mixed_rounds(d, 30)
     assert sum(d.refreshes.values()) >= 4  # many rounds across refreshes
     assert d.moved >= 3  # non-contiguous paths
+    assert any(n == 0 for n, _ in d.depths) and any(n == k > 1 for n, k in d.depths)
     assert d.max_err <= S32_TOL, d.max_err
     assert d.state_error([0, 1, 2, 3]) <= S32_TOL
 
