@@ -13,6 +13,9 @@ to, so that a batch with pads needs no host-side filtering and no branch):
 - cursors, each [rows]: ``committed`` (int32, h), ``pending`` (int32, T of the pending verify),
   ``refreshes`` (int64), ``tokens`` (int64, committed tokens since ``load_state``; the logical
   time that keys stochastic rounding), ``seeds`` (int64, per-slot rounding seed).
+- ``draft_gaps`` int32 [rows, max_draft]: s - 1 - parent of the pending verify's draft s (zero
+  for a chain, i.e. always except between a tree verify and its ``accept``), against which
+  ``accept`` checks a path (``pending_parents``).
 
 Fresh storage is zero (NaN for float storage of real slots under ``poison_fresh_allocations``);
 the scratch row is always zero-initialized, so two caches built alike hold identical bytes. A slot
@@ -140,6 +143,7 @@ class ReplayCache:
         self.refreshes = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self.tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self.seeds = torch.full((rows,), seed, dtype=torch.int64, device=self.device)
+        self.draft_gaps = torch.zeros(rows, max_draft, dtype=torch.int32, device=self.device)
         # logical element index inside one slot's state: keys stochastic rounding
         self._offsets = torch.arange(nheads * dv * dk, device=self.device).view(nheads, dv // rb, rb, dk)
 
@@ -251,6 +255,7 @@ class ReplayCache:
         zero = torch.zeros_like(self.tokens[rows])
         for cur in (self.committed, self.pending, self.refreshes, self.tokens):
             cur[rows] = torch.where(valid, zero.to(cur.dtype), cur[rows])
+        self.draft_gaps[rows] = torch.where(valid[:, None], 0, self.draft_gaps[rows])
         self.write_checkpoint(rows, state.float(), valid)
 
     @_inference
@@ -280,25 +285,64 @@ class ReplayCache:
         self.refreshes[rows] += need.long()
 
     @_inference
-    def accept(self, slots, num_accepted, backend=None):
-        """Commit the first ``num_accepted[b]`` drafts of each slot's pending verify.
+    def accept(self, slots, num_accepted, path=None, backend=None):
+        """Commit ``num_accepted[b]`` drafts of each slot's pending verify.
 
-        Only the committed pointer moves; rejected drafts stay in the buffer beyond the pointer
-        and are overwritten later. ``slots`` int32/int64 [b]; ``num_accepted`` int32/int64
-        [b], 0 <= n <= pending. ``backend`` as
-        in the decode calls: Triton (one launch) by default for CUDA caches.
+        ``slots`` int32/int64 [b]; ``num_accepted`` int32/int64 [b], 0 <= n <= pending.
+        ``path`` (int32/int64 [b, W], W <= max_draft; None = drafts 0, 1, 2, ...): after a tree
+        verify, its first n entries of row i are the accepted drafts in order, path[i, 0] a child
+        of the last committed token and each next one a child of the previous. Their buffer
+        entries (every field, cached residuals included) are copied into committed order, h ..
+        h + n - 1; no state is copied. Rejected drafts stay in the buffer beyond the committed
+        pointer and are overwritten later. ``backend`` as in the decode calls: Triton (one
+        launch) by default for CUDA caches; a path that is not 0, 1, 2, ... needs 'torch'.
         """
         slots = checks.slot_ids(self, slots)
         num_accepted = checks.accepted_counts(self, slots, num_accepted)
-        if pick_backend(self, backend) == "triton":
-            from ._triton import launch
-            return launch.accept(self, slots, num_accepted)
+        path = checks.accepted_path(self, slots, num_accepted, path)
+        kind = pick_backend(self, backend)
         rows, valid = self.rows_of(slots)
-        n = torch.minimum(num_accepted.clamp(min=0), self.pending[rows].long()).to(torch.int32)
-        n = torch.where(valid, n, 0)
-        self.committed[rows] += n
-        self.tokens[rows] += n.long()
-        self.pending[rows] = torch.where(valid, 0, self.pending[rows])
+        if path is not None:
+            cols = torch.arange(path.shape[1], device=self.device)
+            n = torch.where(valid, num_accepted, 0)
+            moved = (cols[None, :] < n[:, None]) & (path != cols[None, :])
+            if kind == "triton":  # no tree kernels yet: only a path that moves nothing
+                if not checks.values_checked(self) or bool(moved.any()):
+                    raise ValueError("path: accepting a draft tree's path runs on backend='torch' only "
+                                     "for now (with value checks on, a path 0, 1, 2, ... is accepted)")
+            else:
+                self._compact(rows, n, path)
+        if kind == "triton":
+            from ._triton import launch
+            launch.accept(self, slots, num_accepted)
+        else:
+            n = torch.minimum(num_accepted.clamp(min=0), self.pending[rows].long()).to(torch.int32)
+            n = torch.where(valid, n, 0)
+            self.committed[rows] += n
+            self.tokens[rows] += n.long()
+            self.pending[rows] = torch.where(valid, 0, self.pending[rows])
+        # the next verify is a chain unless it says otherwise
+        self.draft_gaps[rows] = torch.where(valid[:, None], 0, self.draft_gaps[rows])
+
+    def _compact(self, rows, n, path):
+        """Copy the buffer entries of the accepted drafts h + path[:, k] to h + k for k < n
+        (gathered first: a source may be another row's destination). Other entries keep their bits."""
+        h = self.committed[rows].long()
+        cols = torch.arange(path.shape[1], device=self.device)[None, :]
+        take = cols < n[:, None]  # [b, W]
+        src = (h[:, None] + path.clamp(min=0)).clamp(max=self.window - 1)
+        # distinct positions per row (W <= window): untaken columns write their own bits back
+        dst = (h[:, None] + cols) % self.window
+        for buf in self.buffer.values():
+            moved = buf[rows[:, None], src]
+            here = buf[rows[:, None], dst]
+            mask = take.view(*take.shape, *([1] * (moved.dim() - 2)))
+            buf[rows[:, None], dst] = torch.where(mask, moved, here)
+
+    def pending_parents(self, rows):
+        """Parents of the pending verify's drafts of storage ``rows``: int64 [b, max_draft]."""
+        s = torch.arange(self.max_draft, device=self.device)
+        return s - 1 - self.draft_gaps[rows].long()
 
     # ---- counters and persistence --------------------------------------------------------
     def counters(self, slots) -> dict:
@@ -313,7 +357,7 @@ class ReplayCache:
         if self.read_copy is not None:
             out.update({f"read_copy.{k}": v for k, v in self.read_copy.items()})
         out.update({f"buffer.{k}": v for k, v in self.buffer.items()})
-        for name in ("committed", "pending", "refreshes", "tokens", "seeds"):
+        for name in ("committed", "pending", "refreshes", "tokens", "seeds", "draft_gaps"):
             out[name] = getattr(self, name)
         return out
 
@@ -350,6 +394,10 @@ class ReplayCache:
             if v.is_meta:  # holds no data: its copy would fail after earlier entries were copied
                 raise ValueError(f"state_dict entry {k!r} is on the meta device (no data)")
         self._check_cursors({k: sd[k] for k in ("committed", "pending", "refreshes", "tokens")})
+        gaps = sd["draft_gaps"].long()
+        if bool(((gaps < 0) | (gaps > torch.arange(self.max_draft, device=gaps.device))).any()):
+            raise ValueError("state_dict entry 'draft_gaps' must lie in [0, s] for draft s "
+                             "(a parent in [-1, s))")
         for k, t in mine.items():
             t.copy_(sd[k])
 

@@ -123,3 +123,72 @@ def output_spec(out, out_dtype, shape: tuple, device: torch.device) -> torch.dty
     if out_dtype is not None and out.dtype != out_dtype:
         raise ValueError(f"out has dtype {out.dtype} but out_dtype is {out_dtype}")
     return out.dtype
+
+
+TREE_BACKEND = "parents: tree drafts run on backend='torch' only for now"
+
+
+def draft_parents(cache, slots, parents, T: int, backend_kind: str):
+    """``parents``: int32/int64 [b, T] (or None, a chain), -1 <= parents[i, s] < s on real rows:
+    the draft that draft s follows, -1 the last committed token. Returns int64 [b, T] or None."""
+    if parents is None:
+        return None
+    check_tensor("parents", parents, (slots.shape[0], T), cache.device, INT_DTYPES)
+    if backend_kind != "torch":
+        raise ValueError(TREE_BACKEND)
+    parents = parents.to(torch.int64).contiguous()
+    if values_checked(cache) and slots.numel():
+        s = torch.arange(T, device=parents.device)
+        bad = (slots >= 0)[:, None] & ((parents < -1) | (parents >= s))
+        if bool(bad.any()):
+            i, j = (int(v) for v in bad.nonzero()[0])
+            raise ValueError(f"parents[{i}, {j}] = {int(parents[i, j])} must be in [-1, {j}) "
+                             f"(a draft follows an earlier draft or the last committed token)")
+    # pads (and values left unchecked) never index outside the tree: pads become a chain
+    s = torch.arange(T, device=parents.device)
+    parents = torch.where((slots >= 0)[:, None], torch.minimum(parents, s - 1).clamp(min=-1), s - 1)
+    return parents
+
+
+def accepted_path(cache, slots, num_accepted, path) -> torch.Tensor | None:
+    """``path``: int32/int64 [b, W] (1 <= W <= max_draft) or None (0, 1, 2, ...). On real rows its
+    first num_accepted[i] entries must be pending drafts forming a root path of the pending
+    verify's tree (``cache.pending_parents``). Returns int64 [b, W] or None."""
+    if path is None:
+        path_t = None
+        W = cache.max_draft
+    else:
+        if not isinstance(path, torch.Tensor) or path.dim() != 2:
+            raise ValueError("path must be a 2-D int32 or int64 tensor [b, W]")
+        W = path.shape[1]
+        check_tensor("path", path, (slots.shape[0], W), cache.device, INT_DTYPES)
+        if not 1 <= W <= cache.max_draft:
+            raise ValueError(f"path must have 1 to max_draft={cache.max_draft} columns, got {W}")
+        path_t = path.to(torch.int64).contiguous()
+    if not (values_checked(cache) and slots.numel()):
+        return path_t
+    valid = slots >= 0
+    rows = slots.clamp(min=0)
+    n = torch.where(valid, num_accepted, 0)
+    if path_t is not None and bool((n > W).any()):
+        i = int((n > W).nonzero()[0])
+        raise ValueError(f"num_accepted[{i}] = {int(n[i])} exceeds the path's length {W}")
+    cols = torch.arange(W, device=cache.device)
+    used = cols[None, :] < n[:, None]  # [b, W]
+    p = cols.expand(slots.shape[0], W) if path_t is None else path_t
+    pending = cache.pending[rows].long()
+    out = used & ((p < 0) | (p >= pending[:, None]))
+    if path_t is not None and bool(out.any()):  # without a path, n <= pending already holds
+        i, j = (int(v) for v in out.nonzero()[0])
+        raise ValueError(f"path[{i}, {j}] = {int(p[i, j])} is not a pending draft of slot "
+                         f"{int(slots[i])} (it has {int(pending[i])})")
+    parent = torch.gather(cache.pending_parents(rows), 1, p.clamp(0, cache.max_draft - 1))
+    before = torch.cat([torch.full_like(p[:, :1], -1), p[:, :-1]], 1)
+    broken = used & (parent != before)
+    if bool(broken.any()):
+        i, j = (int(v) for v in broken.nonzero()[0])
+        name = "path" if path_t is not None else "num_accepted (no path: drafts 0, 1, 2, ...)"
+        raise ValueError(f"{name}: entry {j} of row {i} is draft {int(p[i, j])}, whose parent is "
+                         f"{int(parent[i, j])}, not {int(before[i, j])}: not a root path of the "
+                         f"pending draft tree")
+    return path_t

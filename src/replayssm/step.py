@@ -8,6 +8,9 @@ The order is the same for every architecture:
 3. compute outputs from the read copy and the buffer (the architecture's output-only form);
 4. commit (decode) or mark the T entries pending (verify).
 
+A tree verify (``parents`` given) changes only step 3: draft s sees the committed history and its
+ancestors (``tree_visibility``), never its siblings or their subtrees.
+
 Every per-slot decision is a device-side mask: no host synchronization on CUDA, so a step can
 be captured in a CUDA graph. (On CPU the refresh is skipped when no slot needs it.)
 """
@@ -16,12 +19,14 @@ from __future__ import annotations
 import torch
 
 
-def torch_step(cache, slots, T: int, entries: dict, outputs, commit: bool):
+def torch_step(cache, slots, T: int, entries: dict, outputs, commit: bool, parents=None):
     """Run one step.
 
     entries: dict of buffer fields, each [b, T, ...], for the new tokens.
-    outputs: callable (read_state [b,H,dv,dk] fp32, buffer dict [b,L,...], h [b] int64)
-             -> (y [b, T, ...], dict of extra buffer fields [b, T, ...] to store for the new tokens).
+    outputs: callable (read_state [b,H,dv,dk] fp32, buffer dict [b,L,...], h [b] int64[, visible])
+             -> (y [b, T, ...], dict of extra buffer fields [b, T, ...] to store for the new tokens);
+             ``visible`` (bool [b, L, L], see ``tree_visibility``) is passed for tree verifies only.
+    parents: int64 [b, T] (validated) for a tree verify, None for a chain.
     Returns y with pad rows zeroed.
     """
     rows, valid = cache.rows_of(slots)
@@ -31,7 +36,11 @@ def torch_step(cache, slots, T: int, entries: dict, outputs, commit: bool):
         cache.refresh(rows, need)
     h = torch.where(need, 0, h)
     cache.append(rows, h, entries)
-    y, extra = outputs(cache.decode_read(rows), cache.gather(rows, h + T), h)
+    args = (cache.decode_read(rows), cache.gather(rows, h + T), h)
+    if parents is None:
+        y, extra = outputs(*args)
+    else:
+        y, extra = outputs(*args, tree_visibility(parents, h, cache.window))
     if extra:
         cache.append(rows, h, extra)
     if commit:
@@ -39,10 +48,50 @@ def torch_step(cache, slots, T: int, entries: dict, outputs, commit: bool):
         cache.tokens[rows] += valid.long() * T
     else:
         cache.pending[rows] = torch.where(valid, T, cache.pending[rows])
+        if parents is not None:  # accept validates its path against them
+            gaps = torch.arange(-1, T - 1, device=parents.device) - parents
+            old = cache.draft_gaps[rows, :T]
+            cache.draft_gaps[rows, :T] = torch.where(valid[:, None], gaps.to(old.dtype), old)
     return torch.where(valid.view(-1, *([1] * (y.dim() - 1))), y, 0)
 
 
-def segment_log_decay(log_alpha, t):
+def ancestors(parents):
+    """Ancestor-or-self relation of a draft tree: bool [b, T, T], [i, s, a] true when draft a is
+    draft s or one of its ancestors. parents int64 [b, T] with -1 <= parents[i, s] < s."""
+    b, T = parents.shape
+    eye = torch.eye(T, dtype=torch.bool, device=parents.device)
+    rows = []
+    for s in range(T):  # parents come earlier, so their rows are complete
+        row = eye[s].expand(b, T)
+        if s:
+            p = parents[:, s]
+            above = torch.stack(rows, 1)[torch.arange(b, device=p.device), p.clamp(min=0)]
+            row = row | (above & (p >= 0)[:, None])
+        rows.append(row)
+    return torch.stack(rows, 1)
+
+
+def tree_visibility(parents, h, L: int):
+    """Which buffer entries each buffer position sees: bool [b, L(j), L(i)].
+
+    Committed positions (< h) and positions past the drafts see the causal prefix i <= j; draft
+    position j = h + s sees the committed history and the drafts on its own root path (itself
+    included). parents int64 [b, T]; h int64 [b].
+    """
+    T = parents.shape[1]
+    anc = ancestors(parents)
+    pos = torch.arange(L, device=h.device)
+    rel = pos[None, :] - h[:, None]  # [b, L] draft index of each position
+    draft = (rel >= 0) & (rel < T)
+    r = rel.clamp(0, T - 1)
+    b = torch.arange(h.shape[0], device=h.device)[:, None, None]
+    on_path = anc[b, r[:, :, None], r[:, None, :]]  # [b, L, L]
+    causal = pos[None, None, :] <= pos[None, :, None]
+    both = draft[:, :, None] & draft[:, None, :]
+    return torch.where(both, on_path, causal.expand_as(on_path))
+
+
+def segment_log_decay(log_alpha, t, visible=None):
     """Log decays sum_{i=j+1..t_s} log_alpha_i for query positions ``t`` and entries ``j``.
 
     log_alpha [b, L, H] fp32; t int64 [b, T]. Returns [b, T, L, H]: the segment sum for
@@ -50,10 +99,13 @@ def segment_log_decay(log_alpha, t):
     summed directly (a masked suffix cumsum) rather than as c_t - c_j of two prefix sums: once a
     prefix sum is large (strong decays, long windows) that difference loses ~ulp(c) absolutely,
     which is a relative error of every decay factor.
+
+    ``visible`` (bool [b, T, L], optional) replaces the causal mask j <= t_s: the entries on the
+    query's path (a draft tree's ancestor mask); the segment then sums along that path only.
     """
     L = log_alpha.shape[1]
     pos = torch.arange(L, device=log_alpha.device)
-    causal = pos[None, None, :] <= t[:, :, None]  # [b, T, L]
+    causal = pos[None, None, :] <= t[:, :, None] if visible is None else visible  # [b, T, L]
     terms = torch.where(causal[..., None], log_alpha[:, None], 0.0)  # log_alpha_i for i <= t_s
     suffix = terms.flip(2).cumsum(2).flip(2)  # sum_{j <= i <= t_s}
     seg = torch.cat([suffix[:, :, 1:], torch.zeros_like(suffix[:, :, :1])], 2)  # sum_{j < i <= t_s}

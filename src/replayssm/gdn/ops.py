@@ -65,8 +65,11 @@ def gates(gate_a, gate_b, A_log, dt_bias=None):
     return -torch.exp(A_log.float()) * F.softplus(x), torch.sigmoid(gate_b.float())
 
 
-def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend, out, out_dtype, gate=None):
-    """o [b, T, HV, V] of ``out_dtype``, written into ``out`` ([b, T, HV, V] view) when given."""
+def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend, out, out_dtype, gate=None,
+          parents=None):
+    """o [b, T, HV, V] of ``out_dtype``, written into ``out`` ([b, T, HV, V] view) when given.
+    ``gate``: the raw gate inputs instead of g and beta. ``parents`` int64 [b, T] (validated,
+    PyTorch backend only) for a tree verify."""
     if scale is None:
         scale = cache.head_k_dim ** -0.5
     kind = pick_backend(cache, backend)
@@ -81,7 +84,8 @@ def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend,
     q = q * scale
     g, beta = gates(*gate) if gate is not None else (g.float(), beta.float())
     entries = {"k": k, "v": v, "g": g, "beta": beta}
-    o = torch_step(cache, slots, q.shape[1], entries, lambda state, buf, h: replay.outputs(state, buf, h, q), commit)
+    o = torch_step(cache, slots, q.shape[1], entries,
+                   lambda state, buf, h, vis=None: replay.outputs(state, buf, h, q, vis), commit, parents)
     return o.to(out_dtype) if out is None else out.copy_(o)
 
 
@@ -109,13 +113,16 @@ def gdn_decode(cache, slots, q, k, v, g=None, beta=None, scale=None, use_qk_l2no
 
 @torch.no_grad()
 def gdn_verify(cache, slots, q, k, v, g=None, beta=None, scale=None, use_qk_l2norm=False, backend=None, out=None,
-               out_dtype=None, a=None, b=None, A_log=None, dt_bias=None):
+               out_dtype=None, a=None, b=None, A_log=None, dt_bias=None, parents=None):
     """Verify T drafts per slot, output-only; nothing is committed until ``cache.accept``.
 
-    q, k [b, T, HK, K]; v [b, T, HV, V]; g, beta (or a, b) [b, T, HV]; A_log, dt_bias [HV]. Returns
-    o [b, T, HV, V] (``out``, ``out_dtype`` as in decode).
+    q, k [b, T, HK, K]; v [b, T, HV, V]; g, beta (or a, b) [b, T, HV]; A_log, dt_bias [HV].
+    parents int32/int64 [b, T] for a draft tree (None: a chain), as in ``mamba2_verify``: each
+    draft's residual and output are those of its own ancestor chain. PyTorch backend only for now.
+    Returns o [b, T, HV, V] (``out``, ``out_dtype`` as in decode).
     """
     gate = None if a is None and b is None and A_log is None else (a, b, A_log, dt_bias)
     slots = _check(cache, slots, q, k, v, g, beta, scale, draft=True, gate=gate)
     dtype = checks.output_spec(out, out_dtype, tuple(v.shape), cache.device)
-    return _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, False, backend, out, dtype, gate)
+    parents = checks.draft_parents(cache, slots, parents, q.shape[1], pick_backend(cache, backend))
+    return _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, False, backend, out, dtype, gate, parents)

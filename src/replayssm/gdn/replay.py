@@ -23,11 +23,14 @@ def heads_of_groups(t, nheads):
     return t.repeat_interleave(nheads // t.shape[2], dim=2)
 
 
-def _solve(state, k, buf, c, solve_rows, cached_u=None):
+def _solve(state, k, buf, c, solve_rows, cached_u=None, visible=None):
     """Residuals u [b, L, HV, V] from checkpoint ``state`` [b, HV, V, K].
 
-    k [b, L, HV, K] fp32; c [b, L, HV] cumulative log decay; solve_rows [b, L] bool: rows solved
-    from the equations; the others are identity rows with right-hand side ``cached_u`` (or 0).
+    k [b, L, HV, K] fp32; c [b, L, HV] cumulative log decay (along each row's path for a tree);
+    solve_rows [b, L] bool: rows solved from the equations; the others are identity rows with
+    right-hand side ``cached_u`` (or 0). visible bool [b, L(j), L(i)] (a draft tree's mask,
+    ``step.tree_visibility``): row j couples only to the entries on its path, so each draft's
+    residual is the one of its own ancestor chain.
     """
     L = k.shape[1]
     beta = buf["beta"]
@@ -37,7 +40,7 @@ def _solve(state, k, buf, c, solve_rows, cached_u=None):
     rhs = torch.where(solve_rows[:, :, None, None], rhs, other)
     j, i = torch.arange(L, device=k.device)[:, None], torch.arange(L, device=k.device)[None, :]
     rows_t = j.T.expand(k.shape[0], L)  # [b, L]: every position as a query
-    seg = segment_log_decay(buf["g"], rows_t).permute(0, 3, 1, 2)  # [b, HV, L(j), L(i)]
+    seg = segment_log_decay(buf["g"], rows_t, visible).permute(0, 3, 1, 2)  # [b, HV, L(j), L(i)]
     decay = torch.exp(torch.where(i < j, seg, float("-inf")))
     kk = torch.einsum("bjhk,bihk->bhji", k, k)
     rows = (solve_rows[:, None, :] * beta.permute(0, 2, 1))[..., None]  # beta_j on solved rows
@@ -63,23 +66,29 @@ def fold(state, buf, count):
     return torch.exp(total)[:, :, None, None] * state + torch.einsum("blhv,blhk->bhvk", u * w[..., None], k)
 
 
-def outputs(state, buf, h, q):
+def outputs(state, buf, h, q, visible=None):
     """Outputs of the T queries at positions h .. h+T-1, and the new tokens' residuals.
 
     state fp32 [b, HV, V, K] (the read copy); buf with entries valid below h+T and cached
-    residuals ``u`` below h; h int64 [b]; q fp32 [b, T, HK, K] (normalized and scaled).
+    residuals ``u`` below h; h int64 [b]; q fp32 [b, T, HK, K] (normalized and scaled);
+    visible bool [b, L, L] (``step.tree_visibility``) for a draft tree, None for a chain.
     Returns (o fp32 [b, T, HV, V], {"u": fp32 [b, T, HV, V]}).
     """
     HV, L, T = state.shape[1], buf["g"].shape[1], q.shape[1]
     k = heads_of_groups(buf["k"].float(), HV)
     qh = heads_of_groups(q, HV)
-    c = buf["g"].cumsum(1)
+    g = buf["g"]
+    if visible is None:
+        c = g.cumsum(1)
+    else:  # log decay from the checkpoint along each position's own path
+        c = torch.where(visible[..., None], g[:, None], 0.0).sum(2)
     pos = torch.arange(L, device=h.device)
-    u = _solve(state, k, buf, c, pos[None, :] >= h[:, None], buf["u"].float())
+    u = _solve(state, k, buf, c, pos[None, :] >= h[:, None], buf["u"].float(), visible)
     t = h[:, None] + torch.arange(T, device=h.device)  # [b, T]
     c_t = torch.gather(c, 1, t[:, :, None].expand(-1, -1, HV))  # [b, T, HV]
     o = torch.exp(c_t)[..., None] * torch.einsum("bhvk,bthk->bthv", state, qh)
-    decay = torch.exp(segment_log_decay(buf["g"], t))  # [b, T, L, HV], 0 past t
+    vis_t = None if visible is None else torch.gather(visible, 1, t[:, :, None].expand(-1, -1, L))
+    decay = torch.exp(segment_log_decay(g, t, vis_t))  # [b, T, L, HV], 0 off the query's path
     scores = torch.einsum("blhk,bthk->btlh", k, qh) * decay
     o = o + torch.einsum("btlh,blhv->bthv", scores, u)
     u_new = torch.gather(u, 1, t[:, :, None, None].expand(-1, -1, HV, u.shape[-1]))

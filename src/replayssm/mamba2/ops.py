@@ -40,8 +40,10 @@ def _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft: bool):
     return slots, T
 
 
-def _step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, commit, backend, out, out_dtype):
-    """y [b, T, H, P] of ``out_dtype``, written into ``out`` ([b, T, H, P] view) when given."""
+def _step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, commit, backend, out, out_dtype,
+          parents=None):
+    """y [b, T, H, P] of ``out_dtype``, written into ``out`` ([b, T, H, P] view) when given.
+    ``parents`` int64 [b, T] (validated, PyTorch backend only) for a tree verify."""
     kind = pick_backend(cache, backend)
     if slots.shape[0] == 0:  # nothing to compute or store; the kernels' grids would be empty
         return torch.zeros(x.shape, dtype=out_dtype, device=x.device) if out is None else out
@@ -60,7 +62,8 @@ def _step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, commit, back
     log_alpha = A.float() * dt
     entries = {"x": x, "dt": dt, "log_alpha": log_alpha, "B": B}
     y = torch_step(cache, slots, x.shape[1], entries,
-                   lambda state, buf, h: (replay.outputs(state, buf, h, C, D, z, x), None), commit)
+                   lambda state, buf, h, vis=None: (replay.outputs(state, buf, h, C, D, z, x, vis), None),
+                   commit, parents)
     return y.to(out_dtype) if out is None else out.copy_(y)
 
 
@@ -82,13 +85,19 @@ def mamba2_decode(cache, slots, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt
 
 @torch.no_grad()
 def mamba2_verify(cache, slots, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
-                  backend=None, out=None, out_dtype=None):
+                  backend=None, out=None, out_dtype=None, parents=None):
     """Verify T drafts per slot, output-only: draft s sees the checkpoint, the committed history
     and drafts 1..s. Nothing is committed: call ``cache.accept(slots, num_accepted)`` next.
 
     x [b, T, H, P]; dt [b, T, H]; B, C [b, T, G, N]; z [b, T, H, P]; others as in decode.
+    parents int32/int64 [b, T] for a draft tree (None: a chain): parents[i, s] in [-1, s) is the
+    draft that draft s follows (-1: the last committed token); draft s then sees the committed
+    history and its ancestors only. Accept a root path with ``cache.accept(slots, n, path)``.
+    PyTorch backend only for now.
     Returns y [b, T, H, P] (``out``, ``out_dtype`` as in decode).
     """
-    slots, _ = _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft=True)
+    slots, T = _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft=True)
     dtype = checks.output_spec(out, out_dtype, tuple(x.shape), cache.device)
-    return _step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, False, backend, out, dtype)
+    parents = checks.draft_parents(cache, slots, parents, T, pick_backend(cache, backend))
+    return _step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, False, backend, out, dtype,
+                 parents)

@@ -40,20 +40,26 @@ def fold(state, buf, count):
     return torch.exp(total)[:, :, None, None] * state + torch.einsum("blhp,blhn->bhpn", v, k)
 
 
-def outputs(state, buf, h, C, D=None, z=None, x_new=None):
+def outputs(state, buf, h, C, D=None, z=None, x_new=None, visible=None):
     """Outputs for the T queries at positions h .. h+T-1 (the last T appended entries).
 
     state fp32 [b, H, P, N] (the read copy); buf as in ``fold`` with entries valid below h+T;
-    h int64 [b]; C [b, T, G, N]; D [H]; z [b, T, H, P]; x_new [b, T, H, P] (for the D skip).
+    h int64 [b]; C [b, T, G, N]; D [H]; z [b, T, H, P]; x_new [b, T, H, P] (for the D skip);
+    visible bool [b, L, L] (``step.tree_visibility``) for a draft tree, None for a chain: query
+    h + s then sums and decays over the committed history and its ancestors only.
     Returns y fp32 [b, T, H, P].
     """
     H, T = state.shape[1], C.shape[1]
-    c = buf["log_alpha"].cumsum(1)  # [b, L, H]
+    la = buf["log_alpha"]
     t = h[:, None] + torch.arange(T, device=h.device)  # [b, T] query positions
-    c_t = torch.gather(c, 1, t[:, :, None].expand(-1, -1, H))  # [b, T, H]
+    if visible is None:
+        c_t = torch.gather(la.cumsum(1), 1, t[:, :, None].expand(-1, -1, H))  # [b, T, H]
+    else:
+        visible = torch.gather(visible, 1, t[:, :, None].expand(-1, -1, visible.shape[2]))  # [b, T, L]
+        c_t = torch.where(visible[..., None], la[:, None], 0.0).sum(2)  # log decay along the path
     q = heads_of_groups(C.float(), H)  # [b, T, H, N]
     y = torch.exp(c_t)[..., None] * torch.einsum("bhpn,bthn->bthp", state, q)
-    decay = torch.exp(segment_log_decay(buf["log_alpha"], t))  # [b, T, L, H], 0 past t
+    decay = torch.exp(segment_log_decay(la, t, visible))  # [b, T, L, H], 0 off the query's path
     k = heads_of_groups(buf["B"].float(), H)
     scores = torch.einsum("blhn,bthn->btlh", k, q) * decay * buf["dt"][:, None]
     y = y + torch.einsum("btlh,blhp->bthp", scores, buf["x"].float())
