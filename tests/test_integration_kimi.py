@@ -1,7 +1,8 @@
 """Kimi-Linear (``KimiLinearForCausalLM``) through ``rs.patch``: its Kimi Delta Attention layers
 decode with ``rs.kda_decode`` / ``rs.kda_verify``, its MLA attention layers stay with transformers.
 
-Greedy parity (batch of 2 with left padding, window 8, 40 new tokens = 4 refreshes per slot),
+Greedy parity (batch of 2 with left padding, window 8, 40 new tokens = 4 refreshes per slot), the
+state handed back to transformers mid-sequence,
 batched speculative generation identical to greedy, teeth (an adapter that drops the per-channel
 decay fails parity), unsupported variants naming the attribute. A tiny random-weight config in
 fp32 on CPU; the oracle is stock transformers (its conventional per-token KDA update), never the
@@ -152,6 +153,31 @@ def test_kimi_per_channel_decay_has_teeth(monkeypatch):
         print(f"broken decay: max |logit diff| = {diff:.2e}")
         assert diff > 30 * LOGIT_ATOL
     monkeypatch.setattr(rst._KDAAdapter, "recurrence", stock)
+
+
+def test_kimi_state_written_back():
+    """Decode 10 tokens through ReplaySSM, continue the same cache with a stock 4-token forward,
+    unpatch and decode stock: every logit is the all-stock run's (the KDA state goes back to
+    transformers' [K, V] layout at each hand-over)."""
+    from transformers import DynamicCache
+    model = model_of()
+    ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(6)).to(DEVICE)
+
+    def run(patched):
+        cache = DynamicCache(config=model.config)
+        p = rst.patch(model, window=4, max_draft=4) if patched else None
+        out = [model(input_ids=ids[:, :6], cache=cache, use_cache=True).logits[0, -1]]
+        for t in range(6, 16):
+            out.append(model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1])
+        out.append(model(input_ids=ids[:, 16:20], cache=cache, use_cache=True).logits[0, -1])
+        if p is not None:
+            p.unpatch()
+        for t in range(3):
+            out.append(model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1])
+        return torch.stack(out)
+
+    with torch.no_grad():
+        assert (run(False) - run(True)).abs().max().item() <= LOGIT_ATOL
 
 
 class _RowDrafter:
