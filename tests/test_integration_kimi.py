@@ -2,16 +2,17 @@
 decode with ``rs.kda_decode`` / ``rs.kda_verify``, its MLA attention layers stay with transformers.
 
 Greedy parity (batch of 2 with left padding, window 8, 40 new tokens = 4 refreshes per slot), the
-state handed back to transformers mid-sequence,
-batched speculative generation identical to greedy, teeth (an adapter that drops the per-channel
-decay fails parity), unsupported variants naming the attribute. A tiny random-weight config in
-fp32 on CPU; the oracle is stock transformers (its conventional per-token KDA update), never the
-code under test. Logit tolerance 1e-4 as in ``test_integration_transformers``: the fp32 output-only
-form differs from the stock recurrence by association only (measured ~1e-7 here).
+state handed back to transformers mid-sequence, batched speculative generation identical to greedy,
+teeth (an adapter that drops the per-channel decay fails parity), unsupported variants naming the
+attribute. A tiny random-weight config in fp32 on CPU; the oracle is stock transformers (its
+conventional per-token KDA update), never the code under test. Logit tolerance 1e-4 as in
+``test_integration_transformers``: the fp32 output-only form differs from the stock recurrence by
+association only (measured ~1e-7 here).
 
-The default initialisation gives decays of 0.9 .. 0.99 per channel and small projections; the
-KDA parameters are redrawn so that the state carries the signal and the per-channel decays span
-(0.2, 0.9999) within each head (A_log and dt_bias per channel), which the teeth test relies on.
+The default initialisation gives per-channel decays of about 0.4 .. 0.99 (median 0.8 .. 0.95) and
+small projections; the KDA parameters are redrawn so that the state carries the signal and the
+per-channel decays span (0.2, 0.9999) within each head (A_log zeroed, dt_bias set per key
+channel), which the teeth test relies on.
 """
 from __future__ import annotations
 
