@@ -63,7 +63,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "invariant holds, 1 if one fails, 2 for a usage error. About 30 s on 2 CPU cores with the "
                      "defaults.")
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    p.add_argument("--arch", type=_archs, default=None, metavar="mamba2|gdn|kda|all",
+    # no default value (SUPPRESS): "not given" differs from any list when a model --geometry picks
+    p.add_argument("--arch", type=_archs, default=argparse.SUPPRESS, metavar="mamba2|gdn|kda|all",
                    help=f"layer kinds to run, comma-separated, or all ({','.join(ARCH_CHOICES)}); default: "
                         f"{','.join(DEFAULT_ARCHS)}, or the kind of a model --geometry")
     p.add_argument("--presets", type=_presets, default=list(REPRODUCTION_PRESETS),
@@ -145,9 +146,10 @@ def main(args) -> int:
     if args.max_draft > args.window:
         raise UsageError(f"--max-draft ({args.max_draft}) must be <= --window ({args.window})")
     geo_arch, geometry = args.geometry
-    if geo_arch is not None and args.arch is not None and geo_arch not in args.arch:
-        raise UsageError(f"--geometry is a {geo_arch} geometry, not {','.join(args.arch)}")
-    archs = (geo_arch,) if geo_arch is not None else (args.arch or DEFAULT_ARCHS)
+    asked = getattr(args, "arch", None)  # None: --arch not given
+    if geo_arch is not None and asked is not None and geo_arch not in asked:
+        raise UsageError(f"--geometry is a {geo_arch} geometry, not {','.join(asked)}")
+    archs = (geo_arch,) if geo_arch is not None else (asked or DEFAULT_ARCHS)
 
     import torch
 
