@@ -25,9 +25,10 @@ TINY = ["--seeds", "7", "--steps", "24", "--batch", "2", "--geometry", "2,8,16,1
 CHECK_IDS = {"a", "b", "c", "d", "e", "f"}
 
 
-def run_cli(tmp_path, *extra, name="r.json", arch="all"):
+def run_cli(tmp_path, *extra, name="r.json", arch=None):
+    """arch None: no --arch (the default layer kinds, mamba2 and gdn)."""
     out = tmp_path / name
-    code = main(["run", *TINY, "--arch", arch, "--output", str(out), *extra])
+    code = main(["run", *TINY, *([] if arch is None else ["--arch", arch]), "--output", str(out), *extra])
     return code, (json.loads(out.read_text()) if out.exists() else None)
 
 
@@ -48,7 +49,8 @@ def test_tiny_run_passes_with_schema(tmp_path, capsys):
     assert all(c["passed"] and c["evaluated"] > 0 for c in rep["checks"])
 
     presets = {(r["arch"], r["preset"]) for r in rep["runs"]}
-    for arch in protocol.ARCHS:
+    assert rep["config"]["archs"] == ["mamba2", "gdn"]  # Kimi Delta Attention is opt-in
+    for arch in ("mamba2", "gdn"):
         for p in rs.REPRODUCTION_PRESETS:
             assert (arch, p) in presets
     assert set(rep["config"]["controls"]) == {"ctl_fp16sr_r32", "ctl_nvfp4sr_r32"}
@@ -102,7 +104,7 @@ def test_inputs_do_not_depend_on_presets(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # Deliberately broken implementations: non-zero exit naming the failed check
 # ------------------------------------------------------------------------------------------------
-def _expect_failure(tmp_path, capsys, check, *extra, arch="all"):
+def _expect_failure(tmp_path, capsys, check, *extra, arch=None):
     code, rep = run_cli(tmp_path, *extra, arch=arch)
     out = capsys.readouterr().out
     name = f"({check}) {run.CHECK_NAMES[check]}"
@@ -214,6 +216,43 @@ def test_controls_give_every_anchor_format_two_reads():
     assert [p.name for p, c in run.plan_presets(["tp8_hi32"], controls=True)] == ["s32_rs", "tp8_hi32"]
     assert [p.name for p, c in run.plan_presets(["s32_rs"], controls=True) if c] == ["tp16_hi32"]
     assert [p.name for p, _ in run.plan_presets(["f4_sr_rs"], controls=False)] == ["s32_rs", "f4_sr_rs"]
+
+
+def test_kda_run_passes_and_is_opt_in(tmp_path, capsys):
+    """--arch kda: the Kimi Delta Attention case passes every check, its summary table is titled
+    KDA; --arch all names the three kinds; a Kimi-Linear geometry runs KDA only."""
+    code, rep = run_cli(tmp_path, arch="kda")
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert rep["config"]["archs"] == ["kda"] and set(rep["inputs"]["per_case"]) == {"kda/7"}
+    assert {c["id"] for c in rep["checks"]} == CHECK_IDS and all(c["passed"] for c in rep["checks"])
+    assert "KDA output RMSE" in text and set(rep["summary"]) == {"kda"}
+    base = next(r for r in rep["runs"] if r["preset"] == "s32_rs")["metrics"]
+    assert 0 < base["output_max_abs_vs_f64"] <= S32_MAX_ABS
+    from replayssm.run.cli import _archs
+    assert _archs("all") == ("mamba2", "gdn", "kda") and _archs("kda,mamba2") == ("mamba2", "kda")
+    assert parse_geometry("kimi-linear-48b") == ("kda", Geometry(32, 128, 128, 32))
+    for argv, needle in ((["run", "--arch", "rwkv"], "unknown layer kind rwkv"),
+                         (["run", "--geometry", "kimi-linear-48b", "--arch", "gdn"], "kda geometry")):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code
+        assert code == 2 and needle in capsys.readouterr().err
+
+
+def test_kda_uniform_decay_fails_s32_error(tmp_path, capsys, monkeypatch):
+    """A KDA refresh that folds with one decay per head (the channel mean) instead of one per key
+    channel: the s32_rs outputs leave the float64 recurrence (check (a))."""
+    from replayssm.kda import replay
+    original = replay.fold
+
+    def broken(state, buf, count):
+        g = buf["g"]
+        return original(state, {**buf, "g": g.mean(-1, keepdim=True).expand_as(g)}, count)
+
+    monkeypatch.setattr(replay, "fold", broken)
+    _expect_failure(tmp_path, capsys, "a", "--presets", "s32_rs", arch="kda")
 
 
 def test_geometry_parsing():

@@ -1,15 +1,20 @@
 """Layer geometries: the one table of named shapes that the runner, the benchmarks and the tests use.
 
-A geometry is four numbers read the same way for both layer kinds:
+A geometry is four numbers read the same way for every layer kind:
 
-| field | Mamba-2  | Gated DeltaNet |
+| field | Mamba-2  | Gated DeltaNet / Kimi Delta Attention |
 |-------|----------|----------------|
 | ``H`` | nheads   | num_v_heads    |
 | ``P`` | headdim  | head_v_dim (d_v) |
 | ``N`` | dstate   | head_k_dim (d_k) |
 | ``G`` | ngroups  | num_k_heads    |
 
-so the state of a sequence is ``[H, P, N]`` (``[heads, d_v, d_k]``) in both, and ``G`` divides ``H``.
+so the state of a sequence is ``[H, P, N]`` (``[heads, d_v, d_k]``) in all, and ``G`` divides ``H``.
+
+Kimi-Linear-48B-A3B: transformers' ``KimiLinearConfig`` defaults (its checkpoint is
+moonshotai/Kimi-Linear-48B-A3B-Instruct) give ``linear_num_heads = 32`` and
+``linear_head_dim = 128``, the same number of query, key and value heads, and the same head size
+for keys and values: H = G = 32, P = N = 128.
 """
 from __future__ import annotations
 
@@ -56,16 +61,17 @@ GEOMETRIES: dict[str, Named] = {
     "mamba2-2.7b": Named(Geometry(80, 64, 128, 1), "mamba2", "Mamba-2 2.7B"),
     "qwen35-122b": Named(Geometry(64, 128, 128, 16), "gdn", "Qwen3.5-122B (Gated DeltaNet)"),
     "qwen3-next": Named(Geometry(32, 128, 128, 16), "gdn", "Qwen3-Next (Gated DeltaNet)"),
+    "kimi-linear-48b": Named(Geometry(32, 128, 128, 32), "kda", "Kimi-Linear-48B-A3B (Kimi Delta Attention)"),
 }
 
 #: The geometry each layer kind is benchmarked at unless told otherwise.
-DEFAULT_MODEL = {"mamba2": "nemotron3-super", "gdn": "qwen35-122b"}
+DEFAULT_MODEL = {"mamba2": "nemotron3-super", "gdn": "qwen35-122b", "kda": "kimi-linear-48b"}
 
 
 def parse_geometry(text: str, arch: str = "all") -> tuple[str | None, Geometry]:
     """A name from ``GEOMETRIES`` or ``H,P,N,G``; returns (layer kind or None, geometry).
 
-    ``arch`` ("mamba2", "gdn" or "all") is the layer kind asked for: a model geometry of the other
+    ``arch`` ("mamba2", "gdn", "kda" or "all") is the layer kind asked for: a model geometry of the other
     kind is refused. Raises ValueError with a one-line message on anything else.
     """
     if text in GEOMETRIES:

@@ -1,10 +1,12 @@
-"""The two layer kinds behind one interface, for code that drives either one: the reproduction
+"""The layer kinds behind one interface, for code that drives either one: the reproduction
 runner, the benchmarks and the tests.
 
 A ``Layer`` builds a cache for a ``Geometry``, makes the public call on a dict of token inputs
 (every tensor with a draft axis: ``[b, T, ...]``; a decode is T = 1), and runs the float64
 conventional step on the same inputs. Mamba-2 applies ``dt_softplus=True`` with ``dt_bias`` (as
-mamba_ssm and vLLM call it); Gated DeltaNet normalizes q and k (``use_qk_l2norm=True``).
+mamba_ssm and vLLM call it); Gated DeltaNet and Kimi Delta Attention normalize q and k
+(``use_qk_l2norm=True``). Kimi Delta Attention has only the PyTorch backend: its calls always pass
+``backend="torch"``, whatever backend the caller asks for the other kinds.
 """
 from __future__ import annotations
 
@@ -75,5 +77,37 @@ class GDNLayer:
                                   tok["beta"][:, t], use_qk_l2norm=True)
 
 
-LAYERS = {"mamba2": Mamba2Layer, "gdn": GDNLayer}
+class KDALayer:
+    """Tokens q, k [b,T,G,N], v [b,T,H,P], g (per-key-channel log decay) [b,T,H,N] and beta
+    [b,T,H]; no constants. Always the PyTorch backend (there are no KDA Triton kernels)."""
+
+    name = "kda"
+    token_fields = ("q", "k", "v", "g", "beta")
+
+    @staticmethod
+    def cache(geo: Geometry, num_slots: int, **kw):
+        from .kda.cache import KDACache
+        return KDACache(num_slots, geo.G, geo.H, geo.N, geo.P, **kw)
+
+    @staticmethod
+    def call(cache, slots, tok: dict, consts: dict, verify: bool, backend=None):
+        """Outputs fp32 [b, T, H, P]. ``backend`` is not used: KDA runs the PyTorch backend."""
+        from .kda.ops import kda_decode, kda_verify
+        if verify:
+            return kda_verify(cache, slots, tok["q"], tok["k"], tok["v"], tok["g"], tok["beta"],
+                              use_qk_l2norm=True, backend="torch")
+        t = {k: v[:, 0] for k, v in tok.items()}
+        return kda_decode(cache, slots, t["q"], t["k"], t["v"], t["g"], t["beta"], use_qk_l2norm=True,
+                          backend="torch")[:, None]
+
+    @staticmethod
+    def reference_step(state, tok: dict, consts: dict, t: int):
+        """The float64 step on token ``t``: (y [b, H, P], new state [b, H, P, N])."""
+        from .kda.reference import kda_reference_step
+        return kda_reference_step(state, tok["q"][:, t], tok["k"][:, t], tok["v"][:, t], tok["g"][:, t],
+                                  tok["beta"][:, t], use_qk_l2norm=True)
+
+
+# the order fixes each kind's index in the runner's input seeds: new kinds go last
+LAYERS = {"mamba2": Mamba2Layer, "gdn": GDNLayer, "kda": KDALayer}
 ARCHS = tuple(LAYERS)

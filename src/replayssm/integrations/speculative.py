@@ -6,11 +6,11 @@
 
 Each step feeds, for every row, its last committed token plus up to ``num_draft`` drafted tokens
 (T = 1 + the most drafts any row got) through the model in one forward: the state-space layers run
-``rs.mamba2_verify`` / ``rs.gdn_verify`` (output-only, nothing committed), the attention layers
-append T keys/values as usual. Under greedy decoding each row accepts the longest prefix of its
-drafts that matches the model's argmax, plus the model's own next token (the "bonus" token), so a
-row gains 1 .. d + 1 tokens per step and its tokens are the ones greedy ``generate`` produces for
-it. Then:
+``rs.mamba2_verify`` / ``rs.gdn_verify`` / ``rs.kda_verify`` (output-only, nothing committed), the
+attention layers append T keys/values as usual. Under greedy decoding each row accepts the longest
+prefix of its drafts that matches the model's argmax, plus the model's own next token (the "bonus"
+token), so a row gains 1 .. d + 1 tokens per step and its tokens are the ones greedy ``generate``
+produces for it. Then:
 
 - every ReplaySSM cache commits each row's accepted count with ``accept`` (a pointer move per row);
 - every causal-convolution state becomes the last d_conv inputs of that row's committed position;

@@ -16,6 +16,10 @@ Supported models (transformers ``>=5.24,<5.25``, the range that is tested):
   (``Qwen3_5MoeForCausalLM``) and Qwen3-Next (``Qwen3NextForCausalLM``): Gated DeltaNet layers
   (``Qwen3_5GatedDeltaNet`` / ``Qwen3_5MoeGatedDeltaNet`` / ``Qwen3NextGatedDeltaNet``)
   interleaved with full-attention layers.
+- Kimi-Linear (``KimiLinearForCausalLM``): Kimi Delta Attention layers (``KimiLinearDeltaAttention``)
+  interleaved with MLA attention layers. KDA has no Triton kernels: its layers always decode with
+  the PyTorch backend (``backend="torch"`` is passed to ``rs.kda_decode`` / ``rs.kda_verify``,
+  whatever ``backend`` the patch was given for the other layer kinds).
 
 Attention, MLP and MoE layers always stay with transformers.
 
@@ -27,20 +31,21 @@ What the patch does, per state-space layer (one ReplaySSM cache per layer, one s
   ReplaySSM as [HV, V, K]: it is transposed.)
 - **Decode** (one token on a cache that this patch seeded): the layer's own projections and causal
   convolution (the convolution state stays in the transformers cache, updated in place), then
-  ``rs.mamba2_decode`` / ``rs.gdn_decode`` instead of the conventional state update, then the
+  ``rs.mamba2_decode`` / ``rs.gdn_decode`` / ``rs.kda_decode`` instead of the conventional state update, then the
   layer's own gated RMSNorm and output projection. The recurrent state in the transformers cache is
   *not* written during decode (that is the point); it is written back (``materialize``) whenever
   the stock path needs it again: before a multi-token forward continues that cache, when another
   cache starts being decoded, and at ``unpatch``.
 - **Verify** (inside ``ReplayPatch.verifying()``; used by ``speculative_generate``): T tokens go
-  through ``rs.mamba2_verify`` / ``rs.gdn_verify``; the convolution is computed without touching
+  through ``rs.mamba2_verify`` / ``rs.gdn_verify`` / ``rs.kda_verify``; the convolution is computed without touching
   its state, and ``ReplayPatch.accept(n)`` commits the first n tokens to both the ReplaySSM caches
   and the convolution states (the last d_conv inputs of the committed position).
 
 Unsupported things raise ``ReplaySSMUnsupported`` (never a silent fall back to the stock path):
 a model with no supported layer, a recurrent-mixer class that this module does not know, a
 Mamba-2 mixer variant the adapter would not reproduce (the message names the attribute: a
-per-channel ``D``, ``n_groups`` not dividing the heads, ...), beam
+per-channel ``D``, ``n_groups`` not dividing the heads, a KDA layer whose gate or convolution
+differs from ``KimiLinearDeltaAttention``'s, ...), beam
 search / HF assisted generation / prompt lookup inside ``generate`` (use
 ``speculative_generate``), a transformers cache that records its past (``activate_past_recording``).
 """
@@ -63,6 +68,8 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 
 from ..gdn.cache import GDNCache
 from ..gdn.ops import gdn_decode, gdn_verify
+from ..kda.cache import KDACache
+from ..kda.ops import kda_decode, kda_verify
 from ..mamba2.cache import Mamba2Cache
 from ..mamba2.ops import mamba2_decode, mamba2_verify
 
@@ -71,10 +78,10 @@ TESTED_TRANSFORMERS = ">=5.24,<5.25"
 #: The causal LMs whose state-space layers this integration decodes (every one is tested).
 SUPPORTED_MODELS = ("Mamba2ForCausalLM", "NemotronHForCausalLM", "FalconH1ForCausalLM", "BambaForCausalLM",
                     "GraniteMoeHybridForCausalLM", "Zamba2ForCausalLM", "Qwen3_5ForCausalLM",
-                    "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM")
+                    "Qwen3_5MoeForCausalLM", "Qwen3NextForCausalLM", "KimiLinearForCausalLM")
 
 __all__ = ["ReplaySSMUnsupported", "ReplayPatch", "patch", "unpatch", "get_patch", "Mamba2Family",
-           "MAMBA2_MIXERS", "GDN_LAYERS", "SUPPORTED_MODELS", "TESTED_TRANSFORMERS"]
+           "MAMBA2_MIXERS", "GDN_LAYERS", "KDA_LAYERS", "SUPPORTED_MODELS", "TESTED_TRANSFORMERS"]
 
 
 class ReplaySSMUnsupported(NotImplementedError):
@@ -134,6 +141,9 @@ MAMBA2_MIXERS = {
 GDN_LAYERS = {"qwen3_5": "Qwen3_5GatedDeltaNet", "qwen3_next": "Qwen3NextGatedDeltaNet",
               "qwen3_5_moe": "Qwen3_5MoeGatedDeltaNet"}
 
+#: transformers module -> Kimi Delta Attention layer class name.
+KDA_LAYERS = {"kimi_linear": "KimiLinearDeltaAttention"}
+
 
 def _import_class(mod: str, name: str):
     try:
@@ -144,22 +154,30 @@ def _import_class(mod: str, name: str):
 
 
 def _supported_classes():
-    """({Mamba-2 mixer class: Mamba2Family}, (GDN layer classes)) available in this transformers."""
+    """({Mamba-2 mixer class: Mamba2Family}, (GDN layer classes), (KDA layer classes)) available in
+    this transformers."""
     mamba = {}
     for mod, (name, fam) in MAMBA2_MIXERS.items():
         cls = _import_class(mod, name)
         if cls is not None:
             mamba[cls] = fam
     gdn = tuple(c for c in (_import_class(mod, name) for mod, name in GDN_LAYERS.items()) if c is not None)
-    return mamba, gdn
+    kda = tuple(c for c in (_import_class(mod, name) for mod, name in KDA_LAYERS.items()) if c is not None)
+    return mamba, gdn, kda
+
+
+#: softmax-attention classes whose names look recurrent (Kimi-Linear's MLA layers)
+_NOT_RECURRENT = frozenset({"KimiLinearAttention"})
 
 
 def _looks_recurrent(module) -> bool:
     """Class names of recurrent token mixers that this integration does not handle."""
     n = type(module).__name__
+    if n in _NOT_RECURRENT:
+        return False
     return (("Mamba" in n and (n.endswith("Mixer") or n.endswith("MambaLayer"))) or "GatedDeltaNet" in n
             or n.endswith("LinearAttention")
-            or "DeltaNet" in n or n.endswith("ShortConv"))
+            or "DeltaNet" in n or "DeltaAttention" in n or n.endswith("ShortConv"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -458,6 +476,100 @@ class _GDNAdapter(_LayerAdapter):
         return m.out_proj(o.reshape(bsz, T, -1))
 
 
+class _KDAAdapter(_LayerAdapter):
+    """``KimiLinearDeltaAttention``: one decode token is
+
+        q, k, v = split(act(causal_conv(cat(q_proj(h), k_proj(h), v_proj(h)))))   [.., H, D] each
+        g = forget_gate(h) = -exp(A_log) * softplus(f_b_proj(f_a_proj(h)) + dt_bias)   [.., H, D]
+        beta = sigmoid(b_proj(h));  o = KDA(l2norm(q), l2norm(k), v, g, beta)  (scale D^-1/2)
+        out = o_proj(o_norm(o, g_b_proj(g_a_proj(h))))   (RMSNorm gated by sigmoid)
+
+    The gate is the layer's own ``forget_gate`` module, so its softplus (linear above 20) is
+    transformers' own; ReplaySSM takes the per-channel log decay g it returns.
+    """
+
+    kind = "kda"
+
+    def __init__(self, owner, module):
+        super().__init__(owner, module)
+        self._validate()
+
+    def _unsupported(self, attr, why):
+        raise ReplaySSMUnsupported(f"{type(self.module).__name__} (layer {self.layer_idx}): {attr} {why}")
+
+    def _validate(self):
+        """Refuse, naming the attribute, any variant whose decode step this adapter would not reproduce."""
+        m = self.module
+        for attr in ("num_heads", "head_dim", "qkv_dim", "conv_dim", "q_proj", "k_proj", "v_proj", "conv1d",
+                     "forget_gate", "b_proj", "g_a_proj", "g_b_proj", "o_norm", "o_proj", "activation"):
+            if not hasattr(m, attr):
+                self._unsupported(attr, "is missing")
+        H, D = m.num_heads, m.head_dim
+        if m.qkv_dim != H * D:
+            self._unsupported("qkv_dim", f"= {m.qkv_dim} is not num_heads * head_dim = {H * D}")
+        if m.conv_dim != 3 * m.qkv_dim:
+            self._unsupported("conv_dim", f"= {m.conv_dim} is not 3 * qkv_dim = {3 * m.qkv_dim}")
+        conv = m.conv1d
+        if conv.groups != m.conv_dim or conv.in_channels != m.conv_dim or conv.out_channels != m.conv_dim:
+            self._unsupported("conv1d", "is not a depthwise convolution over conv_dim channels")
+        if m.activation is not None and m.activation not in ACT2FN:
+            self._unsupported("activation", f"= {m.activation!r} is not an activation transformers knows")
+        for proj, width in (("q_proj", m.qkv_dim), ("k_proj", m.qkv_dim), ("v_proj", m.qkv_dim),
+                            ("b_proj", H), ("g_b_proj", m.qkv_dim)):
+            out = getattr(getattr(m, proj), "out_features", None)
+            if out != width:
+                self._unsupported(proj, f"has out_features = {out}; expected {width}")
+        fg = m.forget_gate
+        for attr in ("A_log", "dt_bias", "f_a_proj", "f_b_proj"):
+            if not hasattr(fg, attr):
+                self._unsupported(f"forget_gate.{attr}", "is missing")
+        if fg.A_log.numel() != H or fg.A_log.shape[-2:] != (H, 1):
+            self._unsupported("forget_gate.A_log", f"has shape {tuple(fg.A_log.shape)}; only one decay "
+                                                   f"rate per head ([.., {H}, 1]) is supported")
+        if tuple(fg.dt_bias.shape) != (m.qkv_dim,):
+            self._unsupported("forget_gate.dt_bias", f"has shape {tuple(fg.dt_bias.shape)}; expected "
+                                                     f"({m.qkv_dim},), one per key channel")
+        if getattr(fg, "head_dim", D) != D or getattr(fg, "num_heads", H) != H:
+            self._unsupported("forget_gate", "has a head geometry other than the layer's")
+        if getattr(m.o_norm, "activation", "sigmoid") != "sigmoid":
+            self._unsupported("o_norm.activation", f"= {m.o_norm.activation!r}; only 'sigmoid' is tested")
+
+    def _new_cache(self, num_slots, device):
+        m, o = self.module, self.owner.options
+        return KDACache(num_slots, m.num_heads, m.num_heads, m.head_dim, m.head_dim, device=device, **o)
+
+    # transformers / fla keep the KDA state as [b, H, K, V]; ReplaySSM as [b, HV, V, K]
+    def _to_replay(self, hf_state):
+        return hf_state.float().transpose(-1, -2)
+
+    def _to_hf(self, state):
+        return state.transpose(-1, -2)
+
+    def recurrence(self, slots, q, k, v, g, beta, verify):
+        """The state-space step on q, k [b, T, H, K] (not normalized), v [b, T, H, V], g fp32
+        [b, T, H, K] (per-channel log decay) and beta [b, T, H]: ``rs.kda_decode`` (T = 1) or,
+        verifying, ``rs.kda_verify``; always on the PyTorch backend. Returns o fp32 [b, T, H, V]."""
+        if verify:
+            return kda_verify(self.cache, slots, q, k, v, g, beta, use_qk_l2norm=True, backend="torch")
+        self.dirty = True
+        return kda_decode(self.cache, slots, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
+                          use_qk_l2norm=True, backend="torch")[:, None]
+
+    def run(self, hidden_states, hf_cache, verify):
+        m = self.module
+        bsz, T, _ = hidden_states.shape
+        shape = (bsz, T, m.num_heads, m.head_dim)
+        mixed = torch.cat([m.q_proj(hidden_states), m.k_proj(hidden_states), m.v_proj(hidden_states)], dim=-1)
+        mixed = self.conv(mixed.transpose(1, 2), hf_cache, verify).transpose(1, 2)
+        q, k, v = (t.reshape(shape) for t in torch.split(mixed, [m.qkv_dim] * 3, dim=-1))
+        g = m.forget_gate(hidden_states).float().reshape(shape)
+        beta = torch.sigmoid(m.b_proj(hidden_states))
+        slots = self.slots(bsz, hidden_states.device)
+        o = self.recurrence(slots, q, k, v, g, beta, verify).to(q.dtype)
+        gate = m.g_b_proj(m.g_a_proj(hidden_states)).reshape(shape)
+        return m.o_proj(m.o_norm(o, gate).reshape(bsz, T, -1))
+
+
 # ---------------------------------------------------------------------------------------------
 # the patch
 # ---------------------------------------------------------------------------------------------
@@ -476,7 +588,7 @@ class ReplayPatch:
         self.check_values = check_values
         self.mode = "decode"
         self.adapters: list[_LayerAdapter] = []
-        mamba_cls, gdn_cls = _supported_classes()
+        mamba_cls, gdn_cls, kda_cls = _supported_classes()
         unknown = []
         for name, mod in model.named_modules():
             fam = mamba_cls.get(type(mod))
@@ -486,13 +598,16 @@ class ReplayPatch:
                 self.adapters.append(_Mamba2Adapter(self, mod, fam))
             elif gdn_cls and isinstance(mod, gdn_cls):
                 self.adapters.append(_GDNAdapter(self, mod))
+            elif kda_cls and isinstance(mod, kda_cls):
+                self.adapters.append(_KDAAdapter(self, mod))
             elif _looks_recurrent(mod):
                 unknown.append(f"{name} ({type(mod).__name__})")
         if unknown:
             raise ReplaySSMUnsupported(
                 "ReplaySSM does not support these recurrent layers: " + ", ".join(unknown[:4])
                 + (" ..." if len(unknown) > 4 else "") + ". Supported: "
-                + ", ".join(n for n, _ in MAMBA2_MIXERS.values()) + ", " + ", ".join(GDN_LAYERS.values()) + ".")
+                + ", ".join(n for n, _ in MAMBA2_MIXERS.values()) + ", " + ", ".join(GDN_LAYERS.values()) + ", "
+                + ", ".join(KDA_LAYERS.values()) + ".")
         if not self.adapters:
             raise ReplaySSMUnsupported(
                 f"{type(model).__name__} has no layer that ReplaySSM supports ({', '.join(SUPPORTED_MODELS)})")

@@ -12,7 +12,20 @@ from ..geometry import GEOMETRIES, parse_geometry
 from ..precision import PRESET_NAMES, REPRODUCTION_PRESETS, S32_MAX_ABS
 from . import PROTOCOL
 
-ARCH_CHOICES = ("mamba2", "gdn", "all")
+ARCH_CHOICES = ("mamba2", "gdn", "kda")
+#: what runs without --arch; Kimi Delta Attention is opt-in (--arch kda, or all)
+DEFAULT_ARCHS = ("mamba2", "gdn")
+
+
+def _archs(text: str) -> tuple:
+    if text == "all":
+        return ARCH_CHOICES
+    items = [x for x in text.split(",") if x]
+    bad = [x for x in items if x not in ARCH_CHOICES]
+    if bad or not items:
+        raise argparse.ArgumentTypeError(f"unknown layer kind {','.join(bad) or repr(text)}; "
+                                         f"choose from {','.join(ARCH_CHOICES)} (comma-separated) or all")
+    return tuple(a for a in ARCH_CHOICES if a in items)
 
 
 def _presets(text: str) -> list:
@@ -50,7 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "invariant holds, 1 if one fails, 2 for a usage error. About 30 s on 2 CPU cores with the "
                      "defaults.")
     p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    p.add_argument("--arch", default="all", choices=ARCH_CHOICES, help="layer kinds to run")
+    # no default value (SUPPRESS): "not given" differs from any list when a model --geometry picks
+    p.add_argument("--arch", type=_archs, default=argparse.SUPPRESS, metavar="mamba2|gdn|kda|all",
+                   help=f"layer kinds to run, comma-separated, or all ({','.join(ARCH_CHOICES)}); default: "
+                        f"{','.join(DEFAULT_ARCHS)}, or the kind of a model --geometry")
     p.add_argument("--presets", type=_presets, default=list(REPRODUCTION_PRESETS),
                    help=f"comma-separated presets or 'all' ({','.join(PRESET_NAMES)}); s32_rs always runs as "
                         "the baseline")
@@ -130,9 +146,10 @@ def main(args) -> int:
     if args.max_draft > args.window:
         raise UsageError(f"--max-draft ({args.max_draft}) must be <= --window ({args.window})")
     geo_arch, geometry = args.geometry
-    if geo_arch is not None and args.arch not in ("all", geo_arch):
-        raise UsageError(f"--geometry is a {geo_arch} geometry, not {args.arch}")
-    archs = (geo_arch,) if geo_arch is not None else (("mamba2", "gdn") if args.arch == "all" else (args.arch,))
+    asked = getattr(args, "arch", None)  # None: --arch not given
+    if geo_arch is not None and asked is not None and geo_arch not in asked:
+        raise UsageError(f"--geometry is a {geo_arch} geometry, not {','.join(asked)}")
+    archs = (geo_arch,) if geo_arch is not None else (asked or DEFAULT_ARCHS)
 
     import torch
 

@@ -23,7 +23,7 @@ from . import PROTOCOL, SCHEMA  # noqa: F401  (re-exported)
 
 #: The preset every "vs s32_rs" figure is measured against; it always runs first.
 BASELINE = "s32_rs"
-ARCH_TITLE = {"mamba2": "Mamba2", "gdn": "GDN"}
+ARCH_TITLE = {"mamba2": "Mamba2", "gdn": "GDN", "kda": "KDA"}
 
 
 @dataclass
@@ -223,7 +223,37 @@ class GDNInputs:
         return {"q": q, "k": k, "v": v, "g": gate, "beta": beta}
 
 
-INPUTS = {"mamba2": Mamba2Inputs, "gdn": GDNInputs}
+class KDAInputs:
+    """Protocol-v1 Kimi Delta Attention inputs (Kimi-Linear's gating, per key channel).
+
+    Constants: A ~ U(1, 16) per value head; dt_bias = softplus^-1(dt0) per (value head, key
+    channel), dt0 log-uniform in [1e-3, 1e-1]. Tokens: q, k ~ N(0, 1) [G, N], L2-normalized inside
+    the call (``use_qk_l2norm=True``, scale N^-1/2); v ~ N(0, 1) [H, P];
+    g = -A softplus(a + dt_bias) with a ~ N(0, 0.5^2) [H, N], so the channels of one head decay at
+    different rates spread over (0, 1); beta = sigmoid(N(0, 1)) [H]. Initial state N(0, 1/N).
+    """
+
+    def __init__(self, geo: Geometry, draw: Draw):
+        self.geo = geo
+        self.A = draw.uniform((geo.H,), 1.0, 16.0)
+        self.dt_bias = _inverse_softplus(draw.log_uniform((geo.H, geo.N), 1e-3, 1e-1))
+        self.consts = {}
+
+    def initial_state(self, draw: Draw, b: int):
+        g = self.geo
+        return draw.normal((b, g.H, g.P, g.N), g.N ** -0.5)
+
+    def tokens(self, draw: Draw, b: int, T: int) -> dict:
+        g = self.geo
+        q, k = draw.normal((b, T, g.G, g.N)), draw.normal((b, T, g.G, g.N))
+        v = draw.normal((b, T, g.H, g.P))
+        a = draw.normal((b, T, g.H, g.N), 0.5)
+        gate = -self.A[:, None] * F.softplus(a + self.dt_bias)
+        beta = torch.sigmoid(draw.normal((b, T, g.H)))
+        return {"q": q, "k": k, "v": v, "g": gate, "beta": beta}
+
+
+INPUTS = {"mamba2": Mamba2Inputs, "gdn": GDNInputs, "kda": KDAInputs}
 
 
 # =================================================================================================
