@@ -244,3 +244,12 @@ def test_same_run_tables_from_the_comparison_json(tmp_path):
     out = readme.read_text()
     assert "paper's ReplaySSM kernel" in out and "old" not in out and out.endswith("y\n")
     assert "abc1234" in (tmp_path / "B.md").read_text()
+
+
+def test_bench_refuses_a_geometry_of_a_layer_kind_it_cannot_time():
+    """A Kimi Delta Attention geometry is a usage error for ``replayssm bench`` (no kernels yet)."""
+    from replayssm.cli import UsageError
+
+    args = type("A", (), {"arch": "all", "geometry": "kimi-linear-48b"})()
+    with pytest.raises(UsageError, match="kda"):
+        bench.plan(args)

@@ -91,6 +91,9 @@ def plan(args) -> list[tuple[str, tuple]]:
         if args.arch == "all":
             raise UsageError("--geometry H,P,N,G needs --arch mamba2 or --arch gdn")
         arch = args.arch
+    if arch not in ("mamba2", "gdn"):
+        raise UsageError(f"--geometry {args.geometry} is a {arch} geometry: replayssm bench times Mamba-2 and GDN "
+                         "(the Kimi Delta Attention kernels are not there yet)")
     return [(arch, geo)]
 
 
