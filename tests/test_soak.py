@@ -108,12 +108,12 @@ def test_teeth_lost_accepted_draft(monkeypatch):
     orig = rs.Mamba2Cache.accept
     calls = [0]
 
-    def accept(self, slots, num_accepted, backend=None):
+    def accept(self, slots, num_accepted, path=None, backend=None):
         calls[0] += 1
         n = num_accepted.clone()
         if calls[0] % 5 == 0:
             n[(n > 0).nonzero()[:1]] -= 1
-        return orig(self, slots, n, backend)
+        return orig(self, slots, n, path=path, backend=backend)
 
     monkeypatch.setattr(rs.Mamba2Cache, "accept", accept)
     s = _small().run()
