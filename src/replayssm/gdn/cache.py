@@ -20,6 +20,11 @@ class GDNCache(ReplayCache):
 
     kind = "gdn"
 
+    @staticmethod
+    def decay_shape(num_v_heads: int, head_k_dim: int) -> tuple:
+        """Per-token shape of the buffered log decay ``g``: one per value head."""
+        return (num_v_heads,)
+
     def __init__(self, num_slots, num_k_heads, num_v_heads, head_k_dim, head_v_dim, window=16,
                  max_draft=4, precision="s32_rs", device="cpu", buffer_dtype=torch.float32, seed=0):
         for name, val in (("num_k_heads", num_k_heads), ("num_v_heads", num_v_heads),
@@ -33,7 +38,7 @@ class GDNCache(ReplayCache):
         # k is stored in fp32: it is L2-normalized in fp32 before storage, and rounding the
         # normalized key to a 16-bit buffer would add an error the conventional kernel lacks
         fields = {"k": ((num_k_heads, head_k_dim), f32), "v": ((num_v_heads, head_v_dim), buffer_dtype),
-                  "g": ((num_v_heads,), f32), "beta": ((num_v_heads,), f32),
+                  "g": (self.decay_shape(num_v_heads, head_k_dim), f32), "beta": ((num_v_heads,), f32),
                   "u": ((num_v_heads, head_v_dim), f32)}
         super().__init__(num_slots, num_v_heads, head_v_dim, head_k_dim, window=window,
                          max_draft=max_draft, precision=precision, device=device,

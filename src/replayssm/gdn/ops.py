@@ -38,7 +38,7 @@ def _check(cache, slots, q, k, v, g, beta, scale, draft: bool, gate=None):
     checks.check_tensor("k", k, (*lead, HK, K), dev)
     checks.check_tensor("v", v, (*lead, HV, V), dev)
     if gate is None:
-        checks.check_tensor("g", g, (*lead, HV), dev)
+        checks.check_tensor("g", g, (*lead, *cache.decay_shape(HV, K)), dev)  # KDA: per key channel
         checks.check_tensor("beta", beta, (*lead, HV), dev)
     else:
         if g is not None or beta is not None:

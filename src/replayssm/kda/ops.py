@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import checks
 from ..backend import pick_backend
+from ..gdn import ops as gdn_ops
 from ..gdn.ops import l2norm
 from ..step import torch_step
 from . import replay
@@ -29,26 +29,9 @@ def _check_backend(cache, backend):
 
 
 def _check(cache, slots, q, k, v, g, beta, scale, backend, draft: bool):
-    """Validate every argument; returns the slots as contiguous int64."""
+    """Validate every argument (GDN's checks, g [..., HV, K]); returns the slots as contiguous int64."""
     _check_backend(cache, backend)
-    slots = checks.slot_ids(cache, slots)
-    b = slots.shape[0]
-    HK, HV, K, V = cache.num_k_heads, cache.num_v_heads, cache.head_k_dim, cache.head_v_dim
-    T = q.shape[1] if draft and isinstance(q, torch.Tensor) and q.dim() == 4 else 1
-    if draft:
-        checks.check_draft_len(cache, T)
-    lead = (b, T) if draft else (b,)
-    dev = cache.device
-    checks.check_tensor("q", q, (*lead, HK, K), dev)
-    checks.check_tensor("k", k, (*lead, HK, K), dev)
-    checks.check_tensor("v", v, (*lead, HV, V), dev)
-    checks.check_tensor("g", g, (*lead, HV, K), dev)
-    checks.check_tensor("beta", beta, (*lead, HV), dev)
-    if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)):
-        raise ValueError(f"scale must be a float or None, got {scale!r}")
-    checks.check_finite_nonpositive("g", g, cache)
-    checks.check_no_pending(cache, slots)
-    return slots
+    return gdn_ops._check(cache, slots, q, k, v, g, beta, scale, draft)
 
 
 def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit):
