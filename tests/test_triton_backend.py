@@ -337,11 +337,12 @@ def test_triton_accept_matches_torch_accept():
         c.committed.copy_(torch.randint(0, 5, c.committed.shape, generator=helpers.generator(1)))
         c.pending.copy_(torch.randint(0, 5, c.pending.shape, generator=helpers.generator(2)))
         c.tokens.copy_(torch.randint(0, 99, c.tokens.shape, generator=helpers.generator(3)))
+        c.draft_gaps.copy_(torch.randint(0, 2, c.draft_gaps.shape, generator=helpers.generator(4)))
     old, launch.ACCEPT_BLOCK = launch.ACCEPT_BLOCK, 4
     try:
         caches[0].accept(slots, counts, backend="torch")
         caches[1].accept(slots, counts.to(torch.int32), backend="triton")
     finally:
         launch.ACCEPT_BLOCK = old
-    for name in ("committed", "pending", "tokens", "refreshes"):
+    for name in ("committed", "pending", "tokens", "refreshes", "draft_gaps"):
         assert torch.equal(getattr(caches[0], name), getattr(caches[1], name)), name

@@ -312,7 +312,7 @@ class ReplayCache:
                                      "for now (with value checks on, a path 0, 1, 2, ... is accepted)")
             else:
                 self._compact(rows, n, path)
-        if kind == "triton":
+        if kind == "triton":  # one launch, draft_gaps included
             from ._triton import launch
             launch.accept(self, slots, num_accepted)
         else:
@@ -321,8 +321,8 @@ class ReplayCache:
             self.committed[rows] += n
             self.tokens[rows] += n.long()
             self.pending[rows] = torch.where(valid, 0, self.pending[rows])
-        # the next verify is a chain unless it says otherwise
-        self.draft_gaps[rows] = torch.where(valid[:, None], 0, self.draft_gaps[rows])
+            # the next verify is a chain unless it says otherwise
+            self.draft_gaps[rows] = torch.where(valid[:, None], 0, self.draft_gaps[rows])
 
     def _compact(self, rows, n, path):
         """Copy the buffer entries of the accepted drafts h + path[:, k] to h + k for k < n

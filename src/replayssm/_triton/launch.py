@@ -93,11 +93,13 @@ def advance_kernel(slots_ptr, committed_ptr, pending_ptr, tokens_ptr, refreshes_
 
 
 @triton.jit
-def accept_kernel(slots_ptr, accepted_ptr, committed_ptr, pending_ptr, tokens_ptr, B,
-                  BLOCK: tl.constexpr, PDL: tl.constexpr):
+def accept_kernel(slots_ptr, accepted_ptr, committed_ptr, pending_ptr, tokens_ptr, gaps_ptr, B,
+                  BLOCK: tl.constexpr, MAXD: tl.constexpr, MAXDP: tl.constexpr, PDL: tl.constexpr):
     """``cache.accept`` in one launch: for each real slot of a block of batch rows, n = the
-    accepted count clamped to [0, pending]; committed += n, tokens += n, pending = 0. Pads (-1)
-    are skipped; slot ids do not repeat, so no two programs touch one slot."""
+    accepted count clamped to [0, pending]; committed += n, tokens += n, pending = 0, and the
+    pending verify's draft tree forgotten (``draft_gaps`` [rows, MAXD] zeroed: the next verify is a
+    chain unless it says otherwise). Pads (-1) are skipped; slot ids do not repeat, so no two
+    programs touch one slot."""
     after_previous_launch(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     slot = tl.load(slots_ptr + i, mask=i < B, other=-1)
@@ -108,6 +110,8 @@ def accept_kernel(slots_ptr, accepted_ptr, committed_ptr, pending_ptr, tokens_pt
              mask=real)
     tl.store(tokens_ptr + slot, tl.load(tokens_ptr + slot, mask=real) + n.to(tokens_ptr.dtype.element_ty), mask=real)
     tl.store(pending_ptr + slot, tl.zeros_like(pending), mask=real)
+    d = tl.arange(0, MAXDP)[None, :]
+    tl.store(gaps_ptr + slot[:, None] * MAXD + d, tl.zeros((BLOCK, MAXDP), tl.int32), mask=real[:, None] & (d < MAXD))
 
 
 #: Batch rows per program of ``accept_kernel``.
@@ -120,7 +124,8 @@ def accept(cache, slots, num_accepted):
     b = slots.shape[0]
     if b:
         run(accept_kernel, (triton.cdiv(b, ACCEPT_BLOCK),), slots, num_accepted, cache.committed, cache.pending,
-            cache.tokens, b, BLOCK=ACCEPT_BLOCK)
+            cache.tokens, cache.draft_gaps, b, BLOCK=ACCEPT_BLOCK, MAXD=cache.max_draft,
+            MAXDP=triton.next_power_of_2(cache.max_draft))
 
 
 def _launch(kernel, grid, args, kwargs):
