@@ -83,6 +83,8 @@ def compile_sm90(kernel, args, kwargs):
     src = ASTSource(fn=kernel, signature=signature,
                     constexprs={(names.index(k),): v for k, v in constexprs.items()}, attrs=attrs)
     options = {"num_warps": kwargs.get("num_warps", 4)}
+    if kwargs.get("maxnreg"):
+        options["maxnreg"] = kwargs["maxnreg"]
     if "enable_fp_fusion" in kwargs:
         options["enable_fp_fusion"] = kwargs["enable_fp_fusion"]
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)

@@ -71,19 +71,22 @@ WIDE = {"mamba2": dict(nheads=2, headdim=64, dstate=32, ngroups=1),
 @pytest.mark.parametrize("arch, variant", [("mamba2", "default"), ("gdn", "default"),
                                            ("mamba2", "window8"), ("gdn", "window8"),
                                            ("mamba2", "rows64"), ("gdn", "rows64"),
-                                           ("gdn", "output_dot"), ("gdn", "stream")])
+                                           ("gdn", "output_dot"), ("gdn", "stream"),
+                                           ("mamba2", "split"), ("gdn", "split")])
 def test_triton_s32_matches_float64_reference(arch, variant):
     """Decode and verify rounds of every draft length and accept count, with pads and staggered
     slots, across refreshes: the default launch policy at a full 16-entry window (every step of
-    the residual solve runs) and at 8; 64-row programs folding two 32-row sub-tiles; and GDN's
-    read-copy products on tensor cores at every draft length, loaded whole or streamed."""
+    the residual solve runs) and at 8; 64-row programs folding two 32-row sub-tiles; GDN's
+    read-copy products on tensor cores at every draft length, loaded whole or streamed; and the
+    refresh in a launch of its own, whose one program per tile (``launch.refresh_grid`` of 4 slots)
+    refreshes every slot due in turn."""
     from replayssm._triton import launch
 
     layer = TritonLayer(arch, **(WIDE[arch] if variant == "rows64" else {}))
     window = 8 if variant == "window8" else 16
     tr = helpers.Tracker(layer, layer.cache(4, window=window, max_draft=4), seed=3)
     launch.TUNING.update({"rows64": dict(rows=64), "output_dot": dict(output_dot=True, stream=0),
-                          "stream": dict(output_dot=True, stream=2)}.get(variant, {}))
+                          "stream": dict(output_dot=True, stream=2), "split": dict(split=True)}.get(variant, {}))
     try:
         _schedule(tr, rounds=10 if variant == "default" else 6, rng=None)
     finally:

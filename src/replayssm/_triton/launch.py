@@ -209,6 +209,27 @@ def check_geometry(cache):
         raise ValueError("backend='triton' with an fp8 format needs dk >= 32")
 
 
+#: Most batch rows the program listing the slots due scans at a time (``window.list_due``).
+DUE_SCAN = 1024
+
+
+def due_scan(b: int, split: bool) -> dict:
+    """A scores launch's constexprs for ``window.list_due`` over b batch rows: rows per pass (a
+    power of two; 0 = no list, when the refresh is a branch of the step) and passes."""
+    rows = min(DUE_SCAN, triton.next_power_of_2(b)) if split else 0
+    return dict(DUE_CH=rows, DUE_PASSES=triton.cdiv(b, rows) if rows else 0)
+
+
+def refresh_grid(b: int, T: int, window: int) -> tuple[int, int]:
+    """(n, rounds) of a refresh launch of its own over b batch rows: n programs per tile (the
+    grid's last dimension), one per slot due in a staggered step, ceil(b T / L); program c
+    refreshes the slots of ranks c, c + n, ..., c + (rounds - 1) n in the list of slots due
+    (``window.list_due``) that exist, so that every slot due is refreshed however many are
+    (aligned windows: all b)."""
+    n = max(1, min(b, -(-b * T // window)))
+    return n, -(-b // n)
+
+
 def window_pad(cache) -> int:
     """LP: the window's length padded to a power of two >= 16 (tl.dot needs K >= 16)."""
     return max(16, triton.next_power_of_2(cache.window))

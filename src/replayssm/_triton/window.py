@@ -33,6 +33,26 @@ def step_cursor(cursors_ptr, pid_b, valid, T: tl.constexpr, L: tl.constexpr):
 
 
 @triton.jit
+def list_due(slots_ptr, committed_ptr, due_ptr, B, T: tl.constexpr, L: tl.constexpr, CH: tl.constexpr,
+             PASSES: tl.constexpr):
+    """The batch rows whose slots are due to refresh, in batch order, CH rows at a time: due[0] =
+    their count n, due[1 .. n] the rows (``due`` int32 [b + 1]); PASSES = ceil(B / CH). Run by one program of a scores
+    launch (committed counts do not change before the advance launch): a refresh launch of its own
+    then needs a program per tile of the slots due only, where a launch over every slot spends
+    most of its time on programs that load a cursor and exit."""
+    count = tl.full((), 0, tl.int32)
+    for p in tl.static_range(PASSES):
+        i = p * CH + tl.arange(0, CH)
+        slot = tl.load(slots_ptr + i, mask=i < B, other=-1)
+        h = tl.load(committed_ptr + slot, mask=slot >= 0, other=0)
+        due = ((slot >= 0) & (h + T > L)).to(tl.int32)
+        rank = count + tl.cumsum(due, 0) - due
+        tl.store(due_ptr + 1 + rank, i, mask=due > 0)
+        count += tl.sum(due, 0)
+    tl.store(due_ptr, count)
+
+
+@triton.jit
 def slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T: tl.constexpr, L: tl.constexpr):
     """(valid, storage row, committed count h, refresh due) of batch row ``pid_b``."""
     valid, row = slot_row(slots_ptr, pid_b, SCRATCH)

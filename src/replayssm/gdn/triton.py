@@ -37,50 +37,55 @@ import triton.language as tl
 from .._triton import launch
 from .._triton.launch import after_previous_launch
 from .._triton.decay import segment_to, softplus, suffix_sums
-from .._triton.window import slot_cursor, slot_row, step_cursor, window_rows, window_scalars
+from .._triton.window import list_due, slot_cursor, slot_row, step_cursor, window_rows, window_scalars
 from .._triton.formats import (column, load_query, load_read, load_tile, matvec, pin_vector_width,
                                products_on_tensor_cores, read_copy_from_anchor, streamed_products,
                                write_checkpoint)
 
 
 @triton.jit
-def _residual_inverse(bg_ptr, bbeta_ptr, row, vhead, h, gram, HV, L: tl.constexpr, LP: tl.constexpr,
-                      SQUARINGS: tl.constexpr):
-    """For value head ``vhead`` of a slot due to refresh (h committed entries): ((I + M)^{-1}
-    [LP, LP], e^{c_j} [LP], e^{g(j, h)} [LP], e^{c_h}), the vectors zero past h. M[j, i] =
-    beta_j e^{g(i, j]} gram[j, i] for i < j < h is strictly lower triangular, so M^LP = 0 and
-    (I + M)^{-1} = (I - M)(I + M^2)(I + M^4)...(I + M^{LP/2}): log2(LP) products (SQUARINGS =
-    log2(LP) - 1) instead of LP dependent substitution steps. Products in IEEE fp32 (FMAs): [LP, LP]
-    is too small for tensor cores to pay, and the segment sums g(i, j] = (lower-triangular g) x
-    (strict upper ones) stay sums of the segment's own terms."""
-    jr = tl.arange(0, LP)[:, None]  # row (entry j)
-    ic = tl.arange(0, LP)[None, :]  # column (entry i)
+def _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L: tl.constexpr, LP: tl.constexpr,
+                       SQUARINGS: tl.constexpr):
+    """For the value heads ``vh`` [RP] (``mine``: real ones) of a slot due to refresh (h committed
+    entries), at once: ((I + M)^{-1} [RP, LP, LP], e^{c_j} [RP, LP], e^{g(j, h)} [RP, LP], e^{c_h}
+    [RP]), the vectors zero past h. M[j, i] = beta_j e^{g(i, j]} gram[j, i] for i < j < h is
+    strictly lower triangular, so M^LP = 0 and (I + M)^{-1} = (I - M)(I + M^2)(I + M^4)...(I +
+    M^{LP/2}): log2(LP) products (SQUARINGS = log2(LP) - 1) instead of LP dependent substitution
+    steps, batched over the heads so that a refreshing program's chain of products is one head
+    long. Products in IEEE fp32 (FMAs): [LP, LP] is too small for tensor cores to pay, and the
+    segment sums g(i, j] = (lower-triangular g) x (strict upper ones) stay sums of the segment's
+    own terms."""
     j = tl.arange(0, LP)
     old = j < h
-    g_c = tl.load(bg_ptr + (row * L + j) * HV + vhead, mask=old, other=0.0)
-    beta_c = tl.load(bbeta_ptr + (row * L + j) * HV + vhead, mask=old, other=0.0)
-    through = tl.where(ic <= jr, g_c[None, :], 0.0)  # [j, k]: g_k for k <= j
-    ec = tl.where(old, tl.exp(tl.sum(through, 1)), 0.0)
-    es = tl.where(old, tl.exp(suffix_sums(g_c, h)), 0.0)
-    seg = tl.dot(through, tl.where(jr > ic, 1.0, 0.0), input_precision="ieee")  # [j, i]: g(i, j]
+    entry = (row * L + j[None, :]) * HV + vh[:, None]  # [RP, LP]
+    g_c = tl.load(bg_ptr + entry, mask=mine[:, None] & old[None, :], other=0.0)
+    beta_c = tl.load(bbeta_ptr + entry, mask=mine[:, None] & old[None, :], other=0.0)
+    jr = j[None, :, None]  # row (entry j)
+    ic = j[None, None, :]  # column (entry i, or the summed entry k)
+    through = tl.where(ic <= jr, g_c[:, None, :], 0.0)  # [r, j, k]: g_k for k <= j
+    ec = tl.where(old[None, :], tl.exp(tl.sum(through, 2)), 0.0)
+    es = tl.where(old[None, :], tl.exp(tl.sum(tl.where((ic > jr) & (ic < h), g_c[:, None, :], 0.0), 2)), 0.0)
+    RP: tl.constexpr = g_c.shape[0]
+    upper = tl.broadcast_to(tl.where(jr > ic, 1.0, 0.0), (RP, LP, LP))  # [r, k, i]: k > i
+    seg = tl.dot(through, upper, input_precision="ieee")  # [r, j, i]: g(i, j]
     lower = (ic < jr) & (jr < h)
-    M = tl.where(lower, beta_c[:, None] * tl.exp(tl.where(lower, seg, 0.0)) * gram, 0.0)
-    eye = tl.where(jr == ic, 1.0, 0.0)
+    M = tl.where(lower, beta_c[:, :, None] * tl.exp(tl.where(lower, seg, 0.0)) * gram[None, :, :], 0.0)
+    eye = tl.broadcast_to(tl.where(jr == ic, 1.0, 0.0), (RP, LP, LP))
     X = eye - M
     power = M
     for _ in tl.static_range(SQUARINGS):  # factors (I + M^2), (I + M^4), ..., (I + M^{LP/2})
         power = tl.dot(power, power, input_precision="ieee")
         X = tl.dot(X, eye + power, input_precision="ieee")
-    return X, ec, es, tl.exp(tl.sum(g_c, 0))
+    return X, ec, es, tl.exp(tl.sum(g_c, 1))
 
 
 @triton.jit
 def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, bbeta_ptr, k_ptr, q_ptr, kn_ptr,
                        qn_ptr, scores_ptr, tinv_ptr, decays_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, gn_ptr, betan_ptr,
-                       scale, SCRATCH, HK, HV,
+                       due_ptr, scale, SCRATCH, B, HK, HV,
                        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, RATIO: tl.constexpr,
                        SQUARINGS: tl.constexpr, NORM: tl.constexpr, GATE: tl.constexpr, HAS_DTB: tl.constexpr,
-                       RP: tl.constexpr, PDL: tl.constexpr):
+                       RP: tl.constexpr, DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, PDL: tl.constexpr):
     """Once per (batch row, key head): the T new keys and queries prepared in fp32 (L2-normalized
     when NORM, as flash-linear-attention's l2norm, queries times ``scale``) into kn, qn [b, T, HK, K]
     for the other launches; the batch row's committed count into ``cursors`` [b]; then
@@ -89,13 +94,17 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, bb
     tinv[b, vh] = (I + M)^{-T} [LP, LP] and decays[b, vh] = (e^{c_j}, e^{g(j, h)}, e^{c_h} at 2, 0).
     GATE: the new tokens' gates of the key head's value heads from the raw inputs, as
     flash-linear-attention's gated delta rule takes them: g = -exp(A_log) softplus(a + dt_bias) and
-    beta = sigmoid(b) into gn, betan [b, T, HV] fp32 for the other launches."""
+    beta = sigmoid(b) into gn, betan [b, T, HV] fp32 for the other launches. DUE_CH > 0: program
+    (0, 0) also lists the slots due for a refresh launch of its own (``window.list_due``)."""
     after_previous_launch(PDL)
     pid_b, khead = tl.program_id(0), tl.program_id(1)
+    if DUE_CH > 0:
+        if (pid_b == 0) & (khead == 0):
+            list_due(slots_ptr, committed_ptr, due_ptr, B, T, L, DUE_CH, DUE_PASSES)
     ck = tl.arange(0, DK)
+    vh = khead * RATIO + tl.arange(0, RP)  # the key head's value heads (``mine``: the real ones)
+    mine = tl.arange(0, RP) < RATIO
     if GATE:
-        vh = khead * RATIO + tl.arange(0, RP)
-        mine = tl.arange(0, RP) < RATIO
         decay_rate = tl.exp(tl.load(alog_ptr + vh, mask=mine, other=0.0).to(tl.float32))
         for s in tl.static_range(T):
             at = (pid_b * T + s) * HV + vh
@@ -122,14 +131,14 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, bb
         K_c = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :], mask=(j < h)[:, None],
                       other=0.0).to(tl.float32)
         gram = tl.dot(K_c, tl.trans(K_c), input_precision="ieee")  # k_j . k_i
-        for vv in tl.range(0, RATIO):  # a loop, not unrolled: registers
-            vhead = khead * RATIO + vv
-            X, ec, es, total = _residual_inverse(bg_ptr, bbeta_ptr, row, vhead, h, gram, HV, L, LP, SQUARINGS)
-            base = (pid_b * HV + vhead) * LP
-            tl.store(tinv_ptr + (base + j[None, :]) * LP + j[:, None], X)  # transposed: [i, j] = X[j, i]
-            tl.store(decays_ptr + (base * 3) + j, ec)
-            tl.store(decays_ptr + (base * 3) + LP + j, es)
-            tl.store(decays_ptr + (base * 3) + 2 * LP + j, tl.where(j == 0, total, 0.0))
+        X, ec, es, total = _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L, LP, SQUARINGS)
+        base = (pid_b * HV + vh) * LP  # [RP]
+        m3 = mine[:, None, None]
+        tl.store(tinv_ptr + (base[:, None, None] + j[None, None, :]) * LP + j[None, :, None], X, mask=m3)  # [i, j] = X[j, i]
+        tl.store(decays_ptr + base[:, None] * 3 + j[None, :], ec, mask=mine[:, None])
+        tl.store(decays_ptr + base[:, None] * 3 + LP + j[None, :], es, mask=mine[:, None])
+        tl.store(decays_ptr + base[:, None] * 3 + 2 * LP + j[None, :], tl.where(j[None, :] == 0, total[:, None], 0.0),
+                 mask=mine[:, None])
     h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
     K = window_rows(bk_ptr, kn_ptr, row, pid_b, h, khead, HK, ck, DK, T, L, LP)
     for s in tl.static_range(T):
@@ -193,21 +202,26 @@ def _gdn_refresh_rows(pid_b, head, khead, row, h, r0, seeds_ptr, tokens_ptr, tin
 
 @triton.jit
 def _gdn_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, decays_ptr,
-                        av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, SCRATCH, HV, HK,
+                        av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, due_ptr, HV, HK,
                         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
                         FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
                         R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr,
-                        READ_AFTER: tl.constexpr, PDL: tl.constexpr):
-    """The refresh in a launch of its own (``StepShape.split``): one program per FR rows of a value
-    head and batch row; programs of slots that are not due exit."""
+                        READ_AFTER: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
+    """The refresh in a launch of its own (``StepShape.split``): program (v, head, c) refreshes FR
+    rows of value head ``head`` of the slots due of ranks c, c + n, ... in the list the scores launch
+    made (``window.list_due``; n programs per tile, ``launch.refresh_grid``)."""
     after_previous_launch(PDL)
-    pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
-    h, need = step_cursor(cursors_ptr, pid_b, valid, T, L)
-    if need:
-        _gdn_refresh_rows(pid_b, head, head // (HV // HK), row, h, pid_v * FR, seeds_ptr, tokens_ptr, tinv_ptr,
-                          decays_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, HV,
-                          HK, L, LP, DV, DK, FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
+    pid_v, head, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    count = tl.load(due_ptr)
+    for it in tl.range(0, ROUNDS, num_stages=1):  # a constant trip count: the interpreter needs one
+        r = c + it * tl.num_programs(2)
+        if r < count:
+            pid_b = tl.load(due_ptr + 1 + r)
+            row = tl.load(slots_ptr + pid_b).to(tl.int64)
+            h = tl.load(cursors_ptr + pid_b)
+            _gdn_refresh_rows(pid_b, head, head // (HV // HK), row, h, pid_v * FR, seeds_ptr, tokens_ptr, tinv_ptr,
+                              decays_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, HV,
+                              HK, L, LP, DV, DK, FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
 
 
 @triton.jit
@@ -360,17 +374,20 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     tinv = torch.empty(b, HV, LP, LP, dtype=torch.float32, device=dev)
     decays = torch.empty(b, HV, 3, LP, dtype=torch.float32, device=dev)
     cursors = torch.empty(b, dtype=cache.committed.dtype, device=dev)
+    due = torch.empty(b + 1 if shape.split else 1, dtype=torch.int32, device=dev)
     launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], buf["g"], buf["beta"], k, q,
-               kn, qn, scores, tinv, decays, *gate_args, float(scale), cache.scratch_row, HK, HV, T=T, L=cache.window,
-               LP=LP, DK=K, RATIO=HV // HK, SQUARINGS=LP.bit_length() - 2, NORM=normalize, GATE=gate is not None,
-               HAS_DTB=gate is not None and gate[3] is not None, RP=triton.next_power_of_2(HV // HK))
+               kn, qn, scores, tinv, decays, *gate_args, due, float(scale), cache.scratch_row, b, HK, HV, T=T,
+               L=cache.window, LP=LP, DK=K, RATIO=HV // HK, SQUARINGS=LP.bit_length() - 2, NORM=normalize,
+               GATE=gate is not None, HAS_DTB=gate is not None and gate[3] is not None,
+               RP=triton.next_power_of_2(HV // HK), **launch.due_scan(b, shape.split))
     FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "gdn")
     read_after = launch.read_copy_after_fold(cache)
     if shape.split:
-        launch.run(_gdn_refresh_kernel, (V // FR, HV, b), slots, cursors, cache.tokens, cache.seeds, tinv, decays,
-                   *anchor, *read, buf["k"], buf["v"], buf["beta"], cache.scratch_row, HV, HK, T=T, L=cache.window,
-                   LP=LP, DV=V, DK=K, FR=FR, KC=KC, STAGES=shape.stages, READ_AFTER=read_after,
-                   num_warps=shape.refresh_warps, **consts)
+        launch.run(_gdn_refresh_kernel, (V // FR, HV, launch.refresh_grid(b, T, cache.window)[0]), slots, cursors,
+                   cache.tokens, cache.seeds, tinv, decays, *anchor, *read, buf["k"], buf["v"], buf["beta"], due,
+                   HV, HK, T=T, L=cache.window, LP=LP, DV=V, DK=K, FR=FR, KC=KC,
+                   STAGES=shape.stages, READ_AFTER=read_after,
+                   ROUNDS=launch.refresh_grid(b, T, cache.window)[1], num_warps=shape.refresh_warps, **consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
     launch.run(
         _gdn_step_kernel, (V // shape.rows, HV, b),

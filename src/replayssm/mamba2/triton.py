@@ -28,23 +28,29 @@ import triton.language as tl
 from .._triton import launch
 from .._triton.launch import after_previous_launch
 from .._triton.decay import segment_to, softplus
-from .._triton.window import slot_cursor, slot_row, step_cursor, window_rows, window_scalars
+from .._triton.window import list_due, slot_cursor, slot_row, step_cursor, window_rows, window_scalars
 from .._triton.formats import (load_query, load_read, load_tile, matvec, pin_vector_width, read_copy_from_anchor,
                                write_checkpoint)
 
 
 @triton.jit
 def _mamba2_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bB_ptr, bdt_ptr, bla_ptr, B_ptr, C_ptr,
-                          scores_ptr, fold_w_ptr, fold_decay_ptr, dt_ptr, bias_ptr, A_ptr, dtn_ptr, la_ptr,
-                          SCRATCH, H, G, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr,
-                          HG: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, PDL: tl.constexpr):
+                          scores_ptr, fold_w_ptr, fold_decay_ptr, dt_ptr, bias_ptr, A_ptr, dtn_ptr, la_ptr, due_ptr,
+                          SCRATCH, B, H, G, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr,
+                          HG: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr,
+                          PDL: tl.constexpr):
     """Once per (batch row, group): the T new tokens' step sizes of the group's heads prepared in
     fp32 into dtn = softplus(dt + dt_bias) and la = A * dtn [b, T, H] for the other launches; the
     batch row's committed count into ``cursors`` [b]; scores[b, g, s, j] = B_j . C_s over the
     entries a query sees (committed + new); and for a slot due to refresh, each head's fold
-    weights w_j = gamma_{j+1:h} dt_j [b, H, LP] (zero past h) and history decay gamma_{1:h} [b, H]."""
+    weights w_j = gamma_{j+1:h} dt_j [b, H, LP] (zero past h) and history decay gamma_{1:h} [b, H].
+    DUE_CH > 0: program (0, 0) also lists the slots due for a refresh launch of its own
+    (``window.list_due``)."""
     after_previous_launch(PDL)
     pid_b, group = tl.program_id(0), tl.program_id(1)
+    if DUE_CH > 0:
+        if (pid_b == 0) & (group == 0):
+            list_due(slots_ptr, committed_ptr, due_ptr, B, T, L, DUE_CH, DUE_PASSES)
     heads = group * (H // G) + tl.arange(0, HG)
     mine = tl.arange(0, HG) < H // G
     A = tl.load(A_ptr + heads, mask=mine, other=0.0).to(tl.float32)
@@ -116,21 +122,26 @@ def _mamba2_refresh_rows(pid_b, head, row, h, r0, seeds_ptr, tokens_ptr, fold_w_
 
 @triton.jit
 def _mamba2_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_ptr, fold_decay_ptr,
-                           av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, SCRATCH, H, G,
+                           av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, due_ptr, H, G,
                            T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
                            FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
                            R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr,
-                           READ_AFTER: tl.constexpr, PDL: tl.constexpr):
-    """The refresh in a launch of its own (``StepShape.split``): one program per FR rows of a head
-    and batch row; programs of slots that are not due exit."""
+                           READ_AFTER: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
+    """The refresh in a launch of its own (``StepShape.split``): program (v, head, c) refreshes FR
+    rows of ``head`` of the slots due of ranks c, c + n, ... in the list the scores launch made
+    (``window.list_due``; n programs per tile, ``launch.refresh_grid``)."""
     after_previous_launch(PDL)
-    pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
-    h, need = step_cursor(cursors_ptr, pid_b, valid, T, L)
-    if need:
-        _mamba2_refresh_rows(pid_b, head, row, h, pid_v * FR, seeds_ptr, tokens_ptr, fold_w_ptr, fold_decay_ptr,
-                             av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, H, G, L, LP, DV, DK,
-                             FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
+    pid_v, head, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    count = tl.load(due_ptr)
+    for it in tl.range(0, ROUNDS, num_stages=1):  # a constant trip count: the interpreter needs one
+        r = c + it * tl.num_programs(2)
+        if r < count:
+            pid_b = tl.load(due_ptr + 1 + r)
+            row = tl.load(slots_ptr + pid_b).to(tl.int64)
+            h = tl.load(cursors_ptr + pid_b)
+            _mamba2_refresh_rows(pid_b, head, row, h, pid_v * FR, seeds_ptr, tokens_ptr, fold_w_ptr, fold_decay_ptr,
+                                 av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, H, G, L, LP, DV, DK,
+                                 FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
 
 
 @triton.jit
@@ -243,17 +254,19 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     cursors = torch.empty(b, dtype=cache.committed.dtype, device=dev)
     dt_in, dt = dt, torch.empty(b, T, H, dtype=torch.float32, device=dev)
     log_alpha = torch.empty_like(dt)
+    due = torch.empty(b + 1 if shape.split else 1, dtype=torch.int32, device=dev)
     launch.run(_mamba2_scores_kernel, (b, G), slots, cache.committed, cursors, buf["B"], buf["dt"], buf["log_alpha"],
                B, C, scores, fold_w, fold_decay, dt_in, dt_in if dt_bias is None else dt_bias.contiguous(), A, dt,
-               log_alpha, cache.scratch_row, H, G, T=T, L=cache.window, LP=LP, DK=N,
-               HG=triton.next_power_of_2(H // G), HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus))
+               log_alpha, due, cache.scratch_row, b, H, G, T=T, L=cache.window, LP=LP, DK=N,
+               HG=triton.next_power_of_2(H // G), HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
+               **launch.due_scan(b, shape.split))
     FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "mamba2")
     read_after = launch.read_copy_after_fold(cache)
     if shape.split:
-        launch.run(_mamba2_refresh_kernel, (P // FR, H, b), slots, cursors, cache.tokens, cache.seeds, fold_w,
-                   fold_decay, *anchor, *read, buf["x"], buf["B"], cache.scratch_row, H, G, T=T, L=cache.window,
-                   LP=LP, DV=P, DK=N, FR=FR, KC=KC, STAGES=shape.stages, READ_AFTER=read_after,
-                   num_warps=shape.refresh_warps, **consts)
+        launch.run(_mamba2_refresh_kernel, (P // FR, H, launch.refresh_grid(b, T, cache.window)[0]), slots, cursors,
+                   cache.tokens, cache.seeds, fold_w, fold_decay, *anchor, *read, buf["x"], buf["B"], due, H, G, T=T, L=cache.window, LP=LP, DV=P, DK=N, FR=FR, KC=KC, STAGES=shape.stages,
+                   READ_AFTER=read_after,
+                   ROUNDS=launch.refresh_grid(b, T, cache.window)[1], num_warps=shape.refresh_warps, **consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
     launch.run(
         _mamba2_step_kernel, (P // shape.rows, H, b),
