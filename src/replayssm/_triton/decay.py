@@ -10,13 +10,6 @@ import triton.language as tl
 
 
 @triton.jit
-def suffix_sums(la, end):
-    """[LP] sums of la over j < k < end, for every j (the decay from entry j to the end)."""
-    k = tl.arange(0, la.shape[0])
-    return tl.sum(tl.where((k[None, :] > k[:, None]) & (k[None, :] < end), la[None, :], 0.0), 1)
-
-
-@triton.jit
 def segment_to(la, t):
     """[LP] sums of la over j < k <= t, for every j (the decay from entry j to position t)."""
     k = tl.arange(0, la.shape[0])

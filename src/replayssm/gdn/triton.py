@@ -36,7 +36,7 @@ import triton.language as tl
 
 from .._triton import launch
 from .._triton.launch import after_previous_launch
-from .._triton.decay import segment_to, softplus, suffix_sums
+from .._triton.decay import segment_to, softplus
 from .._triton.window import list_due, slot_cursor, slot_row, step_cursor, window_rows, window_scalars
 from .._triton.formats import (column, load_query, load_read, load_tile, matvec, pin_vector_width,
                                products_on_tensor_cores, read_copy_from_anchor, streamed_products,
