@@ -15,16 +15,25 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from helpers import TreeRowDrafter  # noqa: E402
+from test_integration_transformers import (  # noqa: E402
+    VOCAB,
+    _batched_prompts,
+    _early_eos,
+    _greedy,
+    _repetitive_prompt,
+    _unpadded_rows,
+    model_of,
+)
+
 import replayssm.backend  # noqa: E402
 import replayssm.integrations.speculative as spec  # noqa: E402
 import replayssm.integrations.transformers as rst  # noqa: E402
-from helpers import TreeRowDrafter  # noqa: E402
 from replayssm import checks  # noqa: E402
 from replayssm.integrations.speculative import (  # noqa: E402
-    ModelDrafter, NGramTreeDrafter, speculative_generate,
-)
-from test_integration_transformers import (  # noqa: E402
-    VOCAB, _batched_prompts, _early_eos, _greedy, _repetitive_prompt, _unpadded_rows, model_of,
+    ModelDrafter,
+    NGramTreeDrafter,
+    speculative_generate,
 )
 
 NEW = 32
@@ -121,6 +130,13 @@ def test_bad_tree_names_the_drafter():
     with pytest.raises(ValueError, match="drafter uneven returned 2 tokens but 1 parents"):
         speculative_generate(model, ids, drafter=uneven, num_draft=3, max_new_tokens=8, backend="torch")
     assert rst.get_patch(model) is None
+    with rst.patch(model) as p:
+        with pytest.raises(ValueError, match="parents must be an int32 or int64 tensor"), \
+                p.verifying(parents=torch.zeros(1, 2)):
+            pass
+        assert p.mode == "decode" and p.parents is None
+        with pytest.raises(ValueError, match="path must be an int32 or int64 tensor"):
+            p.accept(torch.tensor([1]), path=torch.zeros(1, 2))
 
 
 @pytest.mark.parametrize("declared", [True, False])

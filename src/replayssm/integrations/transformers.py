@@ -39,7 +39,11 @@ What the patch does, per state-space layer (one ReplaySSM cache per layer, one s
 - **Verify** (inside ``ReplayPatch.verifying()``; used by ``speculative_generate``): T tokens go
   through ``rs.mamba2_verify`` / ``rs.gdn_verify`` / ``rs.kda_verify``; the convolution is computed without touching
   its state, and ``ReplayPatch.accept(n)`` commits the first n tokens to both the ReplaySSM caches
-  and the convolution states (the last d_conv inputs of the committed position).
+  and the convolution states (the last d_conv inputs of the committed position). With
+  ``verifying(parents=...)`` the T tokens are a draft tree: the state-space layers get
+  ``parents=``, each convolution reads along the token's ancestors, and ``accept(n, path=...)``
+  commits the root path ``path[:, :n]`` (PyTorch backend; KDA layers verify chains only).
+  ``check_trees()`` raises the layers' own refusal where a cache does not verify trees.
 
 Unsupported things raise ``ReplaySSMUnsupported`` (never a silent fall back to the stock path):
 a model with no supported layer, a recurrent-mixer class that this module does not know, a
