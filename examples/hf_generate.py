@@ -29,7 +29,7 @@ except ImportError:
 import replayssm.integrations.transformers as rst
 from replayssm import _progress
 from replayssm.integrations.evalkl import eval_kl, format_table
-from replayssm.integrations.speculative import speculative_generate
+from replayssm.integrations.speculative import NGramTreeDrafter, speculative_generate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT = ("And God said, Let there be light: and there was light.\n"
@@ -98,6 +98,14 @@ def main():
                                         max_new_tokens=args.new_tokens, precision=args.precision)
         print(f"speculative == greedy: {torch.equal(spec, stock)}; acceptance {st.acceptance_rate:.2f}, "
               f"{st.tokens_per_step:.2f} tokens per step ({st.steps} steps)")
+        # the same node budget as a tree: several earlier matches merged into a trie (tree verifies
+        # run on the PyTorch backend for now)
+        tspec, tst = speculative_generate(model, ids, drafter=NGramTreeDrafter(depth=2, max_candidates=3),
+                                          num_draft=4, max_new_tokens=args.new_tokens, precision=args.precision,
+                                          backend="torch")
+        print(f"tree speculative == greedy: {torch.equal(tspec, stock)}; accepted per verify "
+              f"{tst.accepted_per_verify:.2f} (chain {st.accepted_per_verify:.2f}), "
+              f"{tst.tokens_per_step:.2f} tokens per step ({tst.steps} steps)")
 
         # 3. the same, batched: prompts of different lengths (left padding), rows accepting different
         # numbers of drafts per step; each row is what greedy generate gives it

@@ -385,3 +385,60 @@ def check_skipped_refresh_detected(arch, monkeypatch):
     assert max(errs[:8]) <= S32_TOL  # the window is not yet full
     assert errs[8] > 1e-3  # the first window's history is lost
     assert tr.state_error([0, 1]) > 1e-3
+
+
+# ------------------------------------------------------------------------------------------------
+# A draft-tree drafter for the transformers integration tests
+# ------------------------------------------------------------------------------------------------
+class TreeRowDrafter:
+    """Draft trees around each row's greedy continuation (``speculative_generate`` drafter).
+
+    Each call draws a random tree of 1 .. k nodes (random parents, so siblings and orders vary by
+    row and step) and a random node x of depth <= the known continuation (or the root): the nodes
+    on the root path of x carry the row's greedy tokens, every other child of a path node carries
+    a token that differs from the greedy one there, and the rest random tokens. So a correct
+    verify accepts exactly the path to x (0 .. k drafts), and a verify that lets a node see
+    anything but its ancestors, or commits anything but that path, leaves the greedy sequence.
+    ``rows``: each row's tokens without padding, prompt + greedy continuation; ``chain_every``:
+    every n-th call returns a plain chain instead (rows of one step mix chains and trees).
+    """
+
+    def __init__(self, rows, vocab, seed=0, chain_every=0):
+        self.rows, self.vocab = rows, vocab
+        self.g = torch.Generator().manual_seed(seed)
+        self.chain_every, self.calls = chain_every, 0
+
+    def _int(self, lo, hi):  # uniform in [lo, hi)
+        return int(torch.randint(lo, hi, (1,), generator=self.g))
+
+    def __call__(self, tokens, k):
+        t = tokens.tolist()
+        ref = next((r for r in self.rows if r[:len(t)] == t), None)
+        if ref is None:  # the row left every greedy continuation (a deliberately broken run)
+            return []
+        d = ref[len(t):len(t) + k]
+        self.calls += 1
+        if self.chain_every and self.calls % self.chain_every == 0:
+            good = self._int(0, len(d) + 1)
+            return d[:good] + [(x + 1) % self.vocab for x in d[good:]]
+        m = self._int(1, k + 1)
+        parents = [self._int(-1, i) if i else -1 for i in range(m)]
+        depth = []
+        for p in parents:
+            depth.append(1 if p < 0 else depth[p] + 1)
+        ends = [-1] + [i for i in range(m) if depth[i] <= len(d)]
+        x = ends[self._int(0, len(ends))]
+        on_path = set()
+        while x >= 0:
+            on_path.add(x)
+            x = parents[x]
+        toks = []
+        for i, p in enumerate(parents):
+            right = d[depth[i] - 1] if depth[i] <= len(d) else None
+            if i in on_path:
+                toks.append(right)
+            elif (p < 0 or p in on_path) and right is not None:  # a wrong sibling of the path
+                toks.append((right + self._int(1, self.vocab)) % self.vocab)
+            else:
+                toks.append(self._int(0, self.vocab))
+        return toks, parents

@@ -28,6 +28,7 @@ from transformers import (  # noqa: E402
 )
 
 import replayssm.integrations.transformers as rst  # noqa: E402
+from helpers import TreeRowDrafter  # noqa: E402
 from replayssm.integrations.speculative import speculative_generate  # noqa: E402
 
 LOGIT_ATOL = 1e-4
@@ -269,6 +270,21 @@ def test_family_batched_speculative_matches_greedy(name):
     assert st.row_new_tokens[0] == stop < max(st.row_new_tokens)
     assert {0, 3} <= set(st.accepted_per_step) and st.verify_steps > 0
     assert rst.get_patch(model) is None
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_tree_speculative_matches_greedy(name):
+    """Draft trees (``helpers.TreeRowDrafter``: random shapes per row and step, the greedy path
+    among wrong siblings) on the PyTorch backend: the Mamba-2 layers verify with ``parents``, the
+    attention layers with the tree mask; every row is greedy generate's."""
+    model = model_of(name)
+    ids, mask = _padded_batch(3)
+    free = _greedy(model, ids, mask, n=24).sequences
+    drafter = TreeRowDrafter(_rows_without_padding(free, mask), VOCAB)
+    out, st = speculative_generate(model, ids, attention_mask=mask, drafter=drafter, num_draft=4,
+                                   max_new_tokens=24, window=WINDOW, backend="torch")
+    assert torch.equal(out, free.to(out.device))
+    assert st.tree_steps > 0 and 0 in st.accepted_per_step
 
 
 # ---------------------------------------------------------------------------------------------

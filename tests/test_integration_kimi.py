@@ -27,7 +27,7 @@ pytest.importorskip("transformers.models.kimi_linear")
 from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
 
 import replayssm.integrations.transformers as rst  # noqa: E402
-from replayssm.integrations.speculative import speculative_generate  # noqa: E402
+from replayssm.integrations.speculative import NGramTreeDrafter, speculative_generate  # noqa: E402
 
 LOGIT_ATOL = 1e-4
 DEVICE = os.environ.get("REPLAYSSM_TEST_DEVICE", "cpu")
@@ -215,6 +215,16 @@ def test_kimi_batched_speculative_matches_greedy():
     assert torch.equal(out, ref.to(out.device))
     print(f"kimi_linear: {st.as_dict()}")
     assert {0, 3} <= set(st.accepted_per_step) and st.verify_steps > 0
+    assert rst.get_patch(model) is None
+
+
+def test_kimi_tree_drafter_is_refused():
+    """KDA verifies chains only: a tree drafter is refused, naming it, before any verify."""
+    model = model_of()
+    ids, mask = _padded_batch(2)
+    with pytest.raises(rst.ReplaySSMUnsupported, match=r"drafter NGramTreeDrafter.*kda_verify takes no draft tree"):
+        speculative_generate(model, ids, attention_mask=mask, drafter=NGramTreeDrafter(), num_draft=3,
+                             max_new_tokens=8, window=WINDOW)
     assert rst.get_patch(model) is None
 
 

@@ -26,14 +26,41 @@ with masked inputs and accepts nothing; its output is filled with ``pad_token_id
 fills it. Left padding of the prompts is given by ``attention_mask``. When no row has a draft, the
 step is an ordinary decode (``*_decode``).
 
-Drafters: ``"ngram"`` (prompt lookup: find the latest earlier occurrence of the trailing n-gram of
-the row's context and propose the tokens that followed it) or any callable
-``drafter(tokens: LongTensor [n], k: int) -> sequence of at most k token ids``, called once per
-unfinished row with that row's tokens (prompt without padding + generated); ``ModelDrafter`` wraps
-a smaller causal LM (greedy).
+Drafters are called once per unfinished row as ``drafter(tokens: LongTensor [n], k: int)`` with
+that row's tokens (prompt without padding + generated) and k, the most draft tokens this step
+(``num_draft``, fewer near ``max_new_tokens``). A drafter returns either
+
+- a **chain**: a sequence of at most k token ids, each following the previous one; or
+- a **tree**: a pair ``(tokens, parents)`` of two equal-length sequences, ``parents[i]`` in
+  [-1, i) the node that node i follows (-1: the row's last committed token). Nodes beyond k, or
+  deeper than k, are dropped.
+
+Built in: ``"ngram"`` / ``NGramDrafter`` (prompt lookup: the latest earlier occurrence of the
+trailing n-gram, a chain), ``NGramTreeDrafter`` (several earlier occurrences merged into a trie),
+``ModelDrafter(draft_model, k=1)`` (a smaller causal LM, greedy chain) and
+``ModelDrafter(draft_model, k=2.., depth=.., max_nodes=..)`` (a top-k tree from that model).
+
+A step with a tree (any row's drafts not a chain) runs the same forward with three differences:
+
+- the state-space layers get ``parents=`` over the T fed tokens: fed token 0 (the last committed
+  token) has parent -1 (the last token the caches committed), draft node i is fed token 1 + i and
+  its parent is 1 + parents[i] (0 for a child of the root); each causal convolution reads along
+  the fed token's ancestors;
+- the attention layers get a 4D tree mask: each fed token attends to the row's committed context,
+  its ancestors and itself, never its siblings or their subtrees; position ids are the committed
+  length + the token's depth (0 for the root), not its index;
+- acceptance walks from the root, each time to the child whose token is the model's argmax at the
+  current node; the walked path ``[0, 1 + node, ...]`` goes to ``accept(.., path=...)`` of every
+  ReplaySSM cache and each conv state takes the path's last d_conv inputs; in every KV cache each
+  row's last T positions are reordered to the path first (in committed order), the rest behind it
+  masked or cropped as for a chain.
+
+Tree steps need caches that verify trees (the PyTorch backend today): otherwise the first tree
+raises ``ReplaySSMUnsupported`` naming the drafter, with the layer's own refusal as the reason.
+A step whose drafts are all chains runs as a chain verify.
 
 Not supported (``ReplaySSMUnsupported``): attention layers with a sliding window (masked positions
-would count towards the window).
+would count towards the window); draft trees on Kimi Delta Attention layers.
 """
 from __future__ import annotations
 
@@ -44,17 +71,21 @@ import torch
 
 from .transformers import ReplaySSMUnsupported, get_patch, patch
 
-__all__ = ["NGramDrafter", "ModelDrafter", "SpeculativeStats", "speculative_generate"]
+__all__ = ["NGramDrafter", "NGramTreeDrafter", "ModelDrafter", "SpeculativeStats", "speculative_generate"]
 
 
 class NGramDrafter:
     """Prompt-lookup drafting: match the trailing n-gram (n = max_ngram .. min_ngram) of the
-    context against its earlier text (latest match first) and propose up to k following tokens."""
+    context against its earlier text (latest match first) and propose up to k following tokens
+    (a chain)."""
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def __repr__(self):
+        return f"NGramDrafter(max_ngram={self.max_ngram}, min_ngram={self.min_ngram})"
 
     def __call__(self, tokens, k: int):
         seq = tokens.tolist() if torch.is_tensor(tokens) else list(tokens)
@@ -69,32 +100,176 @@ class NGramDrafter:
         return []
 
 
-class ModelDrafter:
-    """Greedy drafts from a (smaller) causal LM that shares the tokenizer. Runs the drafter on the
-    whole context each call (simple, not fast)."""
+def _trie(continuations, budget: int):
+    """Merge token sequences into a draft tree (tokens, parents) of at most ``budget`` nodes:
+    shared prefixes become one path; earlier sequences are inserted first."""
+    tokens, parents, index = [], [], {}
+    for seq in continuations:
+        at = -1
+        for t in seq:
+            node = index.get((at, t))
+            if node is None:
+                if len(tokens) >= budget:
+                    break
+                node = index[(at, t)] = len(tokens)
+                tokens.append(t)
+                parents.append(at)
+            at = node
+    return tokens, parents
 
-    def __init__(self, model):
-        self.model = model
+
+class NGramTreeDrafter:
+    """Prompt lookup with several candidates: up to ``max_candidates`` earlier occurrences of the
+    trailing n-gram (n = max_ngram .. min_ngram, latest first; one per continuation start) each
+    propose the at most ``depth`` tokens that followed them (None: k); the continuations are merged
+    into a trie of at most k nodes, the best match's branch first. Returns (tokens, parents)."""
+
+    drafts_trees = True
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_candidates: int = 4, depth: int | None = None):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError("need 1 <= min_ngram <= max_ngram")
+        if max_candidates < 1:
+            raise ValueError("max_candidates must be >= 1")
+        if depth is not None and depth < 1:
+            raise ValueError("depth must be None or >= 1")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.max_candidates, self.depth = max_candidates, depth
+
+    def __repr__(self):
+        return (f"NGramTreeDrafter(max_ngram={self.max_ngram}, min_ngram={self.min_ngram}, "
+                f"max_candidates={self.max_candidates}, depth={self.depth})")
+
+    def __call__(self, tokens, k: int):
+        seq = tokens.tolist() if torch.is_tensor(tokens) else list(tokens)
+        L = len(seq)
+        depth = k if self.depth is None else min(k, self.depth)
+        found, seen = [], set()
+        for n in range(min(self.max_ngram, L - 1), self.min_ngram - 1, -1):
+            tail = seq[L - n:]
+            for start in range(L - n - 1, -1, -1):
+                follow = start + n  # where the continuation starts: shorter n-grams find it again
+                if follow in seen or seq[start:follow] != tail:
+                    continue
+                seen.add(follow)
+                found.append(seq[follow:follow + depth])
+                if len(found) == self.max_candidates:
+                    return _trie(found, k)
+        return _trie(found, k)
+
+
+class ModelDrafter:
+    """Drafts from a (smaller) causal LM that shares the tokenizer; runs the draft model on the
+    whole context each call (simple, not fast).
+
+    k = 1: the draft model's greedy continuation, a chain of at most min(depth, max_nodes, budget)
+    tokens. k > 1: a top-k tree (EAGLE-2 style): the root's k most likely children form the first
+    level; at each next level every frontier node proposes its k most likely children, and the k
+    candidates of highest cumulative log-probability (over the whole level) become the next
+    frontier, for at most ``depth`` levels (None: until the budget is spent) and at most
+    ``max_nodes`` nodes (None: the call's budget; the node count is never above the call's budget,
+    so T stays within the cache's ``max_draft``). Returns (tokens, parents).
+    """
+
+    def __init__(self, model, k: int = 1, depth: int | None = None, max_nodes: int | None = None):
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"k must be an int >= 1, got {k!r}")
+        if depth is not None and depth < 1:
+            raise ValueError(f"depth must be None or >= 1, got {depth!r}")
+        if max_nodes is not None and max_nodes < 1:
+            raise ValueError(f"max_nodes must be None or >= 1, got {max_nodes!r}")
+        self.model, self.k, self.depth, self.max_nodes = model, k, depth, max_nodes
+        self.drafts_trees = k > 1
+
+    def __repr__(self):
+        return f"ModelDrafter({type(self.model).__name__}, k={self.k}, depth={self.depth}, max_nodes={self.max_nodes})"
 
     @torch.no_grad()
-    def __call__(self, tokens, k: int):
-        if k <= 0:
+    def __call__(self, tokens, budget: int):
+        nodes = budget if self.max_nodes is None else min(budget, self.max_nodes)
+        levels = nodes if self.depth is None else min(self.depth, nodes)
+        if levels <= 0:
             return []
         ids = tokens.reshape(1, -1).to(self.model.device)
-        out = self.model.generate(ids, max_new_tokens=k, do_sample=False, num_beams=1,
-                                  attention_mask=torch.ones_like(ids), pad_token_id=0)
-        return out[0, ids.shape[1]:].tolist()
+        if self.k == 1:
+            out = self.model.generate(ids, max_new_tokens=levels, do_sample=False, num_beams=1,
+                                      attention_mask=torch.ones_like(ids), pad_token_id=0)
+            return out[0, ids.shape[1]:].tolist()
+        toks, parents = [], []
+        frontier = [(-1, 0.0, [])]  # (node, cumulative log-probability, its root path's tokens)
+        for _ in range(levels):
+            room = nodes - len(toks)
+            if room <= 0 or not frontier:
+                break
+            batch = torch.cat([ids.expand(len(frontier), -1),
+                               torch.tensor([p for _, _, p in frontier], dtype=ids.dtype,
+                                            device=ids.device).reshape(len(frontier), -1)], 1)
+            logp = self.model(input_ids=batch, use_cache=False).logits[:, -1].float().log_softmax(-1)
+            top = logp.topk(min(self.k, logp.shape[-1]), -1)
+            cands = [(score + float(v), node, int(t), path)
+                     for (node, score, path), vals, idx in zip(frontier, top.values, top.indices)
+                     for v, t in zip(vals.tolist(), idx.tolist())]
+            cands.sort(key=lambda c: -c[0])  # stable: ties keep the frontier's order
+            frontier = []
+            for score, node, t, path in cands[:min(self.k, room)]:
+                frontier.append((len(toks), score, path + [t]))
+                toks.append(t)
+                parents.append(node)
+        return toks, parents
+
+
+def _name(drafter) -> str:
+    return getattr(drafter, "__name__", None) or repr(drafter)
+
+
+def _is_seq(x) -> bool:
+    return (torch.is_tensor(x) and x.dim() == 1) or isinstance(x, (list, tuple))
+
+
+def _as_tree(out, name: str):
+    """One row's drafts as (tokens, parents) lists: a chain (a sequence of ids, parents s - 1) or
+    a tree (a pair of equal-length sequences, -1 <= parents[i] < i)."""
+    if isinstance(out, tuple) and len(out) == 2 and _is_seq(out[0]) and _is_seq(out[1]):
+        toks = [int(t) for t in (out[0].tolist() if torch.is_tensor(out[0]) else out[0])]
+        parents = [int(p) for p in (out[1].tolist() if torch.is_tensor(out[1]) else out[1])]
+        if len(toks) != len(parents):
+            raise ValueError(f"drafter {name} returned {len(toks)} tokens but {len(parents)} parents")
+        for i, p in enumerate(parents):
+            if not -1 <= p < i:
+                raise ValueError(f"drafter {name}: parents[{i}] = {p} must be in [-1, {i}) "
+                                 "(a node follows an earlier node or the last committed token)")
+        return toks, parents
+    toks = [int(t) for t in (out.tolist() if torch.is_tensor(out) else out)]
+    return toks, list(range(-1, len(toks) - 1))
+
+
+def _prune(toks, parents, max_nodes: int, max_depth: int):
+    """Keep the nodes of depth <= max_depth whose parent is kept, the first max_nodes of them,
+    renumbered (parents stay earlier than their children)."""
+    new_index, depth, out_t, out_p = {-1: -1}, {-1: 0}, [], []
+    for i, (t, p) in enumerate(zip(toks, parents)):
+        if len(out_t) >= max_nodes:
+            break
+        if p not in new_index or depth[p] + 1 > max_depth:
+            continue
+        new_index[i], depth[i] = len(out_t), depth[p] + 1
+        out_t.append(t)
+        out_p.append(new_index[p])
+    return out_t, out_p
 
 
 @dataclass
 class SpeculativeStats:
-    """Counts over all rows. ``accepted_per_step`` has one entry per (step, row that had drafts)."""
+    """Counts over all rows. ``accepted_per_step`` has one entry per (verify step, row that had
+    drafts): the drafts that row accepted; ``accepted_per_verify`` is their mean, the figure to
+    compare drafters at an equal node budget (``num_draft``)."""
 
     new_tokens: int = 0           # tokens generated, all rows (each row's first comes from the prefill)
     steps: int = 0                # model forwards after the prefill (verify + plain decode)
     verify_steps: int = 0
+    tree_steps: int = 0           # verify steps where some row's drafts were a tree, not a chain
     decode_steps: int = 0         # steps where no row had a draft
-    drafted: int = 0              # draft tokens proposed and verified
+    drafted: int = 0              # draft tokens (tree nodes) proposed and verified
     accepted: int = 0             # draft tokens accepted
     accepted_per_step: list = field(default_factory=list)
     rows: int = 1
@@ -105,14 +280,20 @@ class SpeculativeStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
+    def accepted_per_verify(self) -> float:
+        """Drafts accepted per row per verify step (rows that drafted)."""
+        return self.accepted / len(self.accepted_per_step) if self.accepted_per_step else 0.0
+
+    @property
     def tokens_per_step(self) -> float:
         """Tokens committed per row per model forward after the prefill."""
         return (self.new_tokens - self.rows) / (self.steps * self.rows) if self.steps else 0.0
 
     def as_dict(self) -> dict:
         return {"new_tokens": self.new_tokens, "steps": self.steps, "verify_steps": self.verify_steps,
-                "decode_steps": self.decode_steps, "drafted": self.drafted, "accepted": self.accepted,
-                "acceptance_rate": self.acceptance_rate, "tokens_per_step": self.tokens_per_step,
+                "tree_steps": self.tree_steps, "decode_steps": self.decode_steps, "drafted": self.drafted,
+                "accepted": self.accepted, "acceptance_rate": self.acceptance_rate,
+                "accepted_per_verify": self.accepted_per_verify, "tokens_per_step": self.tokens_per_step,
                 "rows": self.rows, "row_new_tokens": list(self.row_new_tokens)}
 
 
@@ -133,8 +314,31 @@ def _attention_layers(hf_cache):
         # convolution state is committed by accept()
         crop = (lambda n, _l=layer: DynamicLayer.crop(_l, -n)) if isinstance(
             layer, LinearAttentionCacheLayerMixin) else (lambda n, _l=layer: _l.crop(-n))
-        out.append(crop)
+        out.append((layer, crop))
     return out
+
+
+def _reorder_tail(layers, order):
+    """Permute each row's last T key/value positions of every KV layer: position j takes the one
+    at order[b, j] (int64 [b, T]), so an accepted tree path lands first, in committed order."""
+    T = order.shape[1]
+    for layer, _ in layers:
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if t is None or t.dim() != 4 or t.shape[-2] < T:
+                continue  # a layer that never stored this step's keys
+            idx = order.to(t.device)[:, None, :, None].expand(t.shape[0], t.shape[1], T, t.shape[3])
+            t[:, :, -T:] = torch.gather(t[:, :, -T:], 2, idx)
+
+
+def _tree_mask(past, allowed, dtype):
+    """4D additive attention mask [b, 1, T, P + T]: 0 where a fed token may attend, the dtype's
+    minimum elsewhere. past 0/1 [b, P] (the row's committed positions); allowed bool [b, T, T]
+    (fed token s sees fed token a)."""
+    b, T = allowed.shape[:2]
+    see = torch.cat([past.bool()[:, None, :].expand(b, T, past.shape[1]), allowed], -1)
+    out = torch.zeros(see.shape, dtype=dtype, device=see.device)
+    return out.masked_fill(~see, torch.finfo(dtype).min)[:, None]
 
 
 def _new_hf_cache(model):
@@ -159,10 +363,11 @@ def speculative_generate(model, input_ids, drafter="ngram", num_draft: int = 4, 
     model: a supported transformers causal LM (see ``replayssm.integrations.transformers``); if it
     is already patched, that patch (and its precision) is used, else it is patched for the call
     and unpatched after. input_ids: LongTensor [b, n]; attention_mask: [b, n] of 0/1, 0 marking
-    left padding (None: no padding). drafter: "ngram", an ``NGramDrafter``, a ``ModelDrafter`` or
-    any callable (tokens [m], k) -> at most k ids, called per unfinished row. num_draft: most
-    drafts per step (the patch needs max_draft >= num_draft + 1). eos_token_id: a row stops after
-    it (int or list). pad_token_id: fills a row after it stopped.
+    left padding (None: no padding). drafter: "ngram", an ``NGramDrafter``, ``NGramTreeDrafter``,
+    ``ModelDrafter`` or any callable (tokens [m], k) -> a chain of at most k ids or a tree
+    (tokens, parents) (module docstring), called per unfinished row. num_draft: most draft tokens
+    (tree nodes) per row per step (the patch needs max_draft >= num_draft + 1). eos_token_id: a
+    row stops after it (int or list). pad_token_id: fills a row after it stopped.
 
     Returns (ids [b, n + new], SpeculativeStats), new = the most tokens any row generated; row r is
     the sequence greedy ``generate(input_ids, attention_mask=attention_mask, ...)`` returns for it.
@@ -173,10 +378,11 @@ def speculative_generate(model, input_ids, drafter="ngram", num_draft: int = 4, 
         raise ValueError("num_draft must be >= 1")
     if max_new_tokens < 1:
         raise ValueError("max_new_tokens must be >= 1")
-    if drafter == "ngram":
+    if isinstance(drafter, str) and drafter == "ngram":
         drafter = NGramDrafter()
     elif not callable(drafter):
         raise ValueError(f"drafter must be 'ngram' or a callable, got {drafter!r}")
+    name = _name(drafter)
     device = input_ids.device
     b, n = input_ids.shape
     if attention_mask is None:
@@ -204,10 +410,22 @@ def speculative_generate(model, input_ids, drafter="ngram", num_draft: int = 4, 
                 kw["position_ids"] = pos
             return model(**kw).logits
 
+        trees_checked = False
+
+        def check_trees():
+            try:
+                ctx.check_trees()
+            except ValueError as e:
+                raise ReplaySSMUnsupported(f"drafter {name} drafts trees, which this model's ReplaySSM "
+                                           f"caches do not verify: {e}") from e
+
         # prefill (the stock path); positions as generate makes them: cumsum of the mask - 1
         pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
         logits = forward(input_ids, mask, pos)
-        crops = _attention_layers(hf_cache)
+        kv_layers = _attention_layers(hf_cache)
+        if getattr(drafter, "drafts_trees", False):  # refuse up front, not at its first tree
+            check_trees()
+            trees_checked = True
         context = [input_ids[r][mask[r] == 1].tolist() for r in range(b)]  # each row's own tokens
         generated = [[] for _ in range(b)]
         committed = mask.sum(-1)  # [b] tokens each row has committed: its next position id
@@ -225,22 +443,34 @@ def speculative_generate(model, input_ids, drafter="ngram", num_draft: int = 4, 
         for r in range(b):
             emit(r, [nxt[r]])
         while not all(done):
-            drafts = [[] for _ in range(b)]
+            trees = [([], []) for _ in range(b)]
             for r in range(b):
                 k = min(num_draft, max_new_tokens - len(generated[r]) - 1)
                 if not done[r] and k > 0:
-                    drafts[r] = [int(t) for t in drafter(torch.tensor(context[r], device=device), k)][:k]
-            T = 1 + max(len(d) for d in drafts)
+                    out = drafter(torch.tensor(context[r], device=device), k)
+                    trees[r] = _prune(*_as_tree(out, name), k, k)
+            sizes = [len(t) for t, _ in trees]
+            T = 1 + max(sizes)
+            chain = all(p == list(range(-1, len(p) - 1)) for _, p in trees)
             last = [context[r][-1] for r in range(b)]
-            feed = torch.tensor([[last[r]] + drafts[r] + [last[r]] * (T - 1 - len(drafts[r])) for r in range(b)],
+            feed = torch.tensor([[last[r]] + trees[r][0] + [last[r]] * (T - 1 - sizes[r]) for r in range(b)],
                                 device=device)
+            # fed token 0 is the root (the last committed token, parent -1: the caches' last
+            # committed one); draft node i is fed token 1 + i. Padding continues a chain, or
+            # hangs off the root of a tree, where no real node sees it.
+            parents = [[-1] + [p + 1 for p in trees[r][1]]
+                       + (list(range(sizes[r], T - 1)) if chain else [0] * (T - 1 - sizes[r])) for r in range(b)]
+            depth = [[0] * T for _ in range(b)]
+            for r in range(b):
+                for s in range(1, T):
+                    depth[r][s] = depth[r][parents[r][s]] + 1
             live = torch.tensor([not d for d in done], device=device)
-            lens = torch.tensor([len(d) for d in drafts], device=device)
+            lens = torch.tensor(sizes, device=device)
             j = torch.arange(T, device=device)
             # a finished row's inputs and a row's draft padding are masked for every later step
             fed_valid = live[:, None] & (j[None, :] <= lens[:, None])
             cols = torch.cat([mask, fed_valid.long()], 1)
-            pos = committed[:, None] + j[None, :]
+            pos = committed[:, None] + torch.tensor(depth, device=device)
             stats.steps += 1
             if T == 1:
                 pred = forward(feed, cols, pos).argmax(-1).tolist()
@@ -250,36 +480,62 @@ def speculative_generate(model, input_ids, drafter="ngram", num_draft: int = 4, 
                     if not done[r]:
                         emit(r, [pred[r][0]])
             else:
-                with ctx.verifying():
+                tree = None
+                if not chain:
+                    if not trees_checked:
+                        check_trees()
+                        trees_checked = True
+                    tree = torch.tensor(parents, dtype=torch.int64, device=device)
+                    if kv_layers:  # each fed token sees its ancestors and itself, never its siblings
+                        from ..step import ancestors
+                        cols = _tree_mask(mask, ancestors(tree) & fed_valid[:, None, :], model.dtype)
+                    stats.tree_steps += 1
+                with ctx.verifying(parents=tree):
                     pred = forward(feed, cols, pos).argmax(-1).tolist()
                 stats.verify_steps += 1
                 keep = torch.zeros(b, dtype=torch.long)
+                paths = []
                 for r in range(b):
+                    path = [0]
+                    paths.append(path)
                     if done[r]:
                         continue  # accepts nothing: its caches stay as they were
-                    d = drafts[r]
-                    a = 0  # accepted drafts: the longest prefix equal to the model's argmax
-                    while a < len(d) and d[a] == pred[r][a]:
-                        a += 1
-                        if d[a - 1] in eos:
+                    children = [[] for _ in range(T)]
+                    for s in range(1, 1 + sizes[r]):
+                        children[parents[r][s]].append(s)
+                    new = []  # accepted drafts: walk to the child equal to the model's argmax
+                    while True:
+                        want = pred[r][path[-1]]
+                        child = next((c for c in children[path[-1]] if int(feed[r, c]) == want), None)
+                        if child is None:
                             break
-                    new = d[:a]
+                        path.append(child)
+                        new.append(want)
+                        if want in eos:
+                            break
+                    a = len(new)
                     if not (new and new[-1] in eos):
-                        new.append(pred[r][a])  # the model's own next token after the accepted prefix
+                        new.append(pred[r][path[-1]])  # the model's own next token after the accepted path
                     keep[r] = a + 1  # the fed token and the a accepted drafts enter the caches
-                    if d:
-                        stats.drafted += len(d)
+                    if sizes[r]:
+                        stats.drafted += sizes[r]
                         stats.accepted += a
                         stats.accepted_per_step.append(a)
                     emit(r, new)
                 keep = keep.to(device)
-                ctx.accept(keep)
+                if chain:
+                    ctx.accept(keep)
+                else:
+                    order = [p + [s for s in range(T) if s not in p] for p in paths]  # path first
+                    path_t = torch.tensor(order, dtype=torch.int64, device=device)
+                    ctx.accept(keep, path=path_t)
+                    _reorder_tail(kv_layers, path_t)
             kept = j[None, :] < keep[:, None]  # [b, T]: positions that row committed
             mask = torch.cat([mask, kept.long()], 1)
             committed = committed + keep
             drop = T - int(keep.max())  # positions no row kept: cropped from the KV caches
             if drop > 0:
-                for crop in crops:
+                for _, crop in kv_layers:
                     crop(drop)
                 mask = mask[:, :-drop]
         stats.row_new_tokens = [len(g) for g in generated]

@@ -39,7 +39,11 @@ What the patch does, per state-space layer (one ReplaySSM cache per layer, one s
 - **Verify** (inside ``ReplayPatch.verifying()``; used by ``speculative_generate``): T tokens go
   through ``rs.mamba2_verify`` / ``rs.gdn_verify`` / ``rs.kda_verify``; the convolution is computed without touching
   its state, and ``ReplayPatch.accept(n)`` commits the first n tokens to both the ReplaySSM caches
-  and the convolution states (the last d_conv inputs of the committed position).
+  and the convolution states (the last d_conv inputs of the committed position). With
+  ``verifying(parents=...)`` the T tokens are a draft tree: the state-space layers get
+  ``parents=``, each convolution reads along the token's ancestors, and ``accept(n, path=...)``
+  commits the root path ``path[:, :n]`` (PyTorch backend; KDA layers verify chains only).
+  ``check_trees()`` raises the layers' own refusal where a cache does not verify trees.
 
 Unsupported things raise ``ReplaySSMUnsupported`` (never a silent fall back to the stock path):
 a model with no supported layer, a recurrent-mixer class that this module does not know, a
@@ -66,6 +70,8 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("replayssm.integrations.transformers needs the 'hf' extra: "
                       "pip install 'replayssm[hf]' (transformers>=5.24,<5.25)") from e
 
+from .. import checks
+from ..backend import pick_backend
 from ..gdn.cache import GDNCache
 from ..gdn.ops import gdn_decode, gdn_verify
 from ..kda.cache import KDACache
@@ -183,17 +189,40 @@ def _looks_recurrent(module) -> bool:
 # ---------------------------------------------------------------------------------------------
 # causal convolution (the same arithmetic as transformers' torch ``causal_conv1d_update``)
 # ---------------------------------------------------------------------------------------------
-def _conv_step(x, conv_state, weight, bias, activation, commit: bool):
+def _tree_windows(parents, S: int, W: int):
+    """Columns of ``full`` = [conv state (S columns), T fed tokens] that each fed token's
+    convolution reads in a draft tree: its W - 1 nearest ancestors (continuing into the conv state
+    past the root) and itself, oldest first. parents int64 [b, T] (-1: the last committed token,
+    the state's last column), S >= W - 1. Returns int64 [b, T * W]."""
+    b, T = parents.shape
+    pos = S + torch.arange(T, device=parents.device).expand(b, T)
+    cols = [pos]
+    for _ in range(W - 1):
+        up = S + torch.gather(parents, 1, (pos - S).clamp(min=0))
+        pos = torch.where(pos >= S, up, pos - 1)
+        cols.append(pos)
+    return torch.stack(cols[::-1], -1).reshape(b, T * W)
+
+
+def _conv_step(x, conv_state, weight, bias, activation, commit: bool, parents=None):
     """x [b, C, T]; conv_state [b, C, S] (S = d_conv). Returns (out [b, C, T], full [b, C, S + T]).
 
     With ``commit`` the state becomes the last S columns (as ``causal_conv1d_update``); without,
     it is untouched and ``full`` lets the caller commit any prefix later (speculative verify).
+    ``parents`` (int64 [b, T], a draft tree of the fed tokens, -1 = the last committed token):
+    each token's window runs along its ancestors instead of the previous columns.
     """
     T = x.shape[-1]
     full = torch.cat([conv_state, x], dim=-1).to(weight.dtype)
     if commit:
         conv_state.copy_(full[..., -conv_state.shape[-1]:])
-    out = F.conv1d(full, weight.unsqueeze(1), bias, padding=0, groups=x.shape[1])[..., -T:]
+    if parents is None:
+        out = F.conv1d(full, weight.unsqueeze(1), bias, padding=0, groups=x.shape[1])[..., -T:]
+    else:  # each window gathered side by side, then one strided convolution over them
+        W = weight.shape[-1]
+        idx = _tree_windows(parents.to(full.device), conv_state.shape[-1], W)
+        win = torch.gather(full, 2, idx[:, None, :].expand(full.shape[0], full.shape[1], idx.shape[1]))
+        out = F.conv1d(win, weight.unsqueeze(1), bias, stride=W, groups=x.shape[1])
     if activation is not None:
         out = ACT2FN[activation](out) if isinstance(activation, str) else activation(out)
     return out.to(x.dtype), full
@@ -315,15 +344,29 @@ class _LayerAdapter:
         m = self.module
         act = getattr(m, "activation", None)
         out, full = _conv_step(x, conv_state, m.conv1d.weight.squeeze(1), m.conv1d.bias, act,
-                               commit=not verify)
+                               commit=not verify, parents=self.owner.parents if verify else None)
         if verify:
             self.pending_full = full
         return out
 
-    def accept(self, num_inputs):
-        """Commit the first ``num_inputs[b]`` (>= 0) tokens of the pending verify."""
+    def tree_parents(self):
+        """The pending verify's draft tree on the cache's device (int64 [b, T]), or None (a chain)."""
+        p = self.owner.parents
+        return None if p is None else p.to(self.cache.device)
+
+    def check_tree(self):
+        """Raise the ``ValueError`` this layer's verify raises for a draft tree on its cache (e.g. a
+        backend without tree kernels); return quietly when it verifies trees."""
         slots = self.slots(self.batch, self.cache.device)
-        self.cache.accept(slots, num_inputs.to(self.cache.device))
+        parents = torch.full((self.batch, 1), -1, dtype=torch.int64, device=self.cache.device)
+        checks.draft_parents(self.cache, slots, parents, 1, pick_backend(self.cache, self.owner.backend))
+
+    def accept(self, num_inputs, path=None):
+        """Commit the first ``num_inputs[b]`` (>= 0) tokens of the pending verify; after a tree
+        verify, the tokens ``path[b, :num_inputs[b]]`` (int64 [b, W], a root path of the tree)."""
+        slots = self.slots(self.batch, self.cache.device)
+        self.cache.accept(slots, num_inputs.to(self.cache.device),
+                          path=None if path is None else path.to(self.cache.device))
         full = self.pending_full
         self.pending_full = None
         if full is None:
@@ -331,7 +374,12 @@ class _LayerAdapter:
         hf = self.hf_ref()
         conv_state = hf.get_conv_state(self.layer_idx)
         S = conv_state.shape[-1]
-        idx = num_inputs.to(full.device).long()[:, None] + torch.arange(S, device=full.device)[None, :]
+        n = num_inputs.to(full.device).long()
+        idx = n[:, None] + torch.arange(S, device=full.device)[None, :]
+        if path is not None:  # committed order: the state's columns, then the accepted path
+            order = torch.cat([torch.arange(S, device=full.device).expand(full.shape[0], S),
+                               S + path.to(full.device).long().clamp(min=0)], 1)
+            idx = torch.gather(order, 1, idx)
         idx = idx[:, None, :].expand(full.shape[0], full.shape[1], S)
         conv_state.copy_(torch.gather(full, 2, idx).to(conv_state.dtype))
         self.dirty = True
@@ -387,7 +435,7 @@ class _Mamba2Adapter(_LayerAdapter):
         m = self.module
         kw = dict(D=m.D, z=z, dt_bias=m.dt_bias, dt_softplus=True, backend=self.owner.backend)
         if verify:
-            return mamba2_verify(self.cache, slots, x, dt, A, B, C, **kw)
+            return mamba2_verify(self.cache, slots, x, dt, A, B, C, **kw, parents=self.tree_parents())
         self.dirty = True
         return mamba2_decode(self.cache, slots, x, dt, A, B, C, **kw)
 
@@ -453,7 +501,8 @@ class _GDNAdapter(_LayerAdapter):
         beta [b, T, HV]: ``rs.gdn_decode`` (T = 1) or, verifying, ``rs.gdn_verify``. Returns o fp32
         [b, T, HV, V]."""
         if verify:
-            return gdn_verify(self.cache, slots, q, k, v, g, beta, use_qk_l2norm=True, backend=self.owner.backend)
+            return gdn_verify(self.cache, slots, q, k, v, g, beta, use_qk_l2norm=True, backend=self.owner.backend,
+                              parents=self.tree_parents())
         self.dirty = True
         return gdn_decode(self.cache, slots, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
                           use_qk_l2norm=True, backend=self.owner.backend)[:, None]
@@ -534,6 +583,9 @@ class _KDAAdapter(_LayerAdapter):
         if getattr(m.o_norm, "activation", "sigmoid") != "sigmoid":
             self._unsupported("o_norm.activation", f"= {m.o_norm.activation!r}; only 'sigmoid' is tested")
 
+    def check_tree(self):
+        raise ValueError("parents: kda_verify takes no draft tree (chains only)")
+
     def _new_cache(self, num_slots, device):
         m, o = self.module, self.owner.options
         return KDACache(num_slots, m.num_heads, m.num_heads, m.head_dim, m.head_dim, device=device, **o)
@@ -550,6 +602,8 @@ class _KDAAdapter(_LayerAdapter):
         [b, T, H, K] (per-channel log decay) and beta [b, T, H]: ``rs.kda_decode`` (T = 1) or,
         verifying, ``rs.kda_verify``; always on the PyTorch backend. Returns o fp32 [b, T, H, V]."""
         if verify:
+            if self.owner.parents is not None:
+                self.check_tree()
             return kda_verify(self.cache, slots, q, k, v, g, beta, use_qk_l2norm=True, backend="torch")
         self.dirty = True
         return kda_decode(self.cache, slots, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
@@ -587,6 +641,7 @@ class ReplayPatch:
         self.backend = backend
         self.check_values = check_values
         self.mode = "decode"
+        self.parents = None  # the draft tree of the verify in progress (int64 [b, T]) or None
         self.adapters: list[_LayerAdapter] = []
         mamba_cls, gdn_cls, kda_cls = _supported_classes()
         unknown = []
@@ -645,25 +700,46 @@ class ReplayPatch:
 
     # -- speculative verify --
     @contextlib.contextmanager
-    def verifying(self):
+    def verifying(self, parents=None):
         """Inside, a forward of T tokens verifies them (``*_verify``): nothing is committed until
-        ``accept``."""
+        ``accept``. ``parents`` (int32/int64 [b, T], None: a chain): the fed tokens form a draft
+        tree, parents[i, s] in [-1, s) the fed token that token s follows, -1 the last token the
+        caches committed; the state-space layers get it as ``parents=`` and each causal
+        convolution reads along the token's ancestors. (The attention layers need the matching
+        tree attention mask from the caller.)"""
         if self.mode != "decode":
             raise RuntimeError("already verifying")
-        self.mode = "verify"
+        if parents is not None:
+            if not torch.is_tensor(parents) or parents.dim() != 2 or parents.dtype not in (torch.int32, torch.int64):
+                raise ValueError("parents must be an int32 or int64 tensor [b, T]")
+            parents = parents.to(torch.int64)
+        self.mode, self.parents = "verify", parents
         try:
             yield self
         finally:
-            self.mode = "decode"
+            self.mode, self.parents = "decode", None
 
-    def accept(self, num_inputs):
+    def check_trees(self):
+        """Raise the ``ValueError`` a layer's verify would raise for a draft tree (e.g. a cache on a
+        backend without tree kernels); quiet when every allocated cache verifies trees."""
+        for ad in self.adapters:
+            if ad.cache is not None:
+                ad.check_tree()
+
+    def accept(self, num_inputs, path=None):
         """Commit the first ``num_inputs[b]`` tokens of the last verify in every layer (SSM caches and
-        convolution states). The caller crops the attention KV caches itself."""
+        convolution states); after a tree verify, ``path`` (int [b, W]) names them: the fed tokens
+        path[b, :num_inputs[b]], a root path of the tree, in order. The caller reorders and crops
+        the attention KV caches itself."""
         if not torch.is_tensor(num_inputs):
             num_inputs = torch.tensor(num_inputs)
         num_inputs = num_inputs.reshape(-1).to(torch.int64)
+        if path is not None:
+            if not torch.is_tensor(path) or path.dim() != 2 or path.dtype not in (torch.int32, torch.int64):
+                raise ValueError("path must be an int32 or int64 tensor [b, W]")
+            path = path.to(torch.int64)
         for ad in self.adapters:
-            ad.accept(num_inputs)
+            ad.accept(num_inputs, path)
 
     # -- introspection --
     def caches(self):
