@@ -37,7 +37,7 @@ import triton.language as tl
 from .._triton import launch
 from .._triton.launch import after_previous_launch
 from .._triton.decay import segment_to, softplus
-from .._triton.window import list_due, slot_cursor, slot_row, step_cursor, window_rows, window_scalars
+from .._triton.window import list_due, slot_cursor, slot_row, step_cursor, window_scalars
 from .._triton.formats import (column, load_query, load_read, load_tile, matvec, pin_vector_width,
                                products_on_tensor_cores, read_copy_from_anchor, streamed_products,
                                write_checkpoint)
@@ -113,6 +113,16 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, bb
                 x += tl.load(dtb_ptr + vh, mask=mine, other=0.0).to(tl.float32)
             tl.store(gn_ptr + at, -decay_rate * softplus(x), mask=mine)
             tl.store(betan_ptr + at, tl.sigmoid(tl.load(b_ptr + at, mask=mine, other=0.0).to(tl.float32)), mask=mine)
+    _, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
+    if khead == 0:
+        tl.store(cursors_ptr + pid_b, h)
+    j = tl.arange(0, LP)
+    seen = tl.where(need, 0, h)  # committed entries the new tokens see: none after a refresh
+    K_old = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :], mask=(j < seen)[:, None],
+                    other=0.0).to(tl.float32)
+    # the new keys and queries, prepared in registers: the window's new entries are scored from
+    # here, not read back from kn / qn
+    keys, queries = (), ()
     for s in tl.static_range(T):
         at = ((pid_b * T + s) * HK + khead) * DK + ck
         k = tl.load(k_ptr + at).to(tl.float32)
@@ -120,13 +130,20 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, bb
         if NORM:
             k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
             q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
+        q = q * scale
         tl.store(kn_ptr + at, k)
-        tl.store(qn_ptr + at, q * scale)
-    tl.debug_barrier()  # the rows just written are read back by other threads of the program
-    _, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
-    if khead == 0:
-        tl.store(cursors_ptr + pid_b, h)
-    j = tl.arange(0, LP)
+        tl.store(qn_ptr + at, q)
+        keys = keys + (k.to(bk_ptr.dtype.element_ty).to(tl.float32),)  # as a later replay reads it back
+        queries = queries + (q,)
+    for s in tl.static_range(T):
+        q_sc = tl.sum(K_old * queries[s][None, :], 1)
+        k_sc = tl.sum(K_old * keys[s][None, :], 1)
+        for n in tl.static_range(T):  # new entry n sits at window position seen + n
+            q_sc = tl.where(j == seen + n, tl.sum(keys[n] * queries[s], 0), q_sc)
+            k_sc = tl.where(j == seen + n, tl.sum(keys[n] * keys[s], 0), k_sc)
+        at = ((pid_b * HK + khead) * 2 * T + s) * LP
+        tl.store(scores_ptr + at + j, q_sc)
+        tl.store(scores_ptr + at + T * LP + j, k_sc)
     if need:  # the refresh's solve, at this launch's shape for every preset
         K_c = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :], mask=(j < h)[:, None],
                       other=0.0).to(tl.float32)
@@ -139,15 +156,6 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, bb
         tl.store(decays_ptr + base[:, None] * 3 + LP + j[None, :], es, mask=mine[:, None])
         tl.store(decays_ptr + base[:, None] * 3 + 2 * LP + j[None, :], tl.where(j[None, :] == 0, total[:, None], 0.0),
                  mask=mine[:, None])
-    h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
-    K = window_rows(bk_ptr, kn_ptr, row, pid_b, h, khead, HK, ck, DK, T, L, LP)
-    for s in tl.static_range(T):
-        tok = pid_b * T + s
-        q = tl.load(qn_ptr + (tok * HK + khead) * DK + ck)
-        k = tl.load(kn_ptr + (tok * HK + khead) * DK + ck).to(bk_ptr.dtype.element_ty).to(tl.float32)
-        base = ((pid_b * HK + khead) * 2 * T + s) * LP
-        tl.store(scores_ptr + base + j, tl.sum(K * q[None, :], 1))
-        tl.store(scores_ptr + base + T * LP + j, tl.sum(K * k[None, :], 1))
 
 
 @triton.jit
