@@ -164,13 +164,10 @@ def _gdn_refresh_rows(pid_b, head, khead, row, h, r0, seeds_ptr, tokens_ptr, tin
                       L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
                       FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
                       R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr,
-                      READ_AFTER: tl.constexpr, HOLD: tl.constexpr = False):
+                      READ_AFTER: tl.constexpr):
     """Refresh rows r0 .. r0 + BV of value head ``head`` of storage row ``row`` (h committed
     entries, batch row ``pid_b``), FR rows at a time: the residual solve and fold of the module
-    docstring, then the encode of KC columns at a time. HOLD (where KC is the products' 32-column
-    chunk): every chunk of the anchor and the keys is loaded once, all at the start, and kept in
-    registers for the fold, instead of loaded again by a second loop; the same products in the
-    same order, so the same bits."""
+    docstring, then the encode of KC columns at a time."""
     mat = row * HV + head
     j = tl.arange(0, LP)
     old = j < h
@@ -190,40 +187,22 @@ def _gdn_refresh_rows(pid_b, head, khead, row, h, r0, seeds_ptr, tokens_ptr, tin
         V_c = tl.load(bv_ptr + (buf_tok[None, :] * HV + head) * DV + rv[:, None], mask=old[None, :],
                       other=0.0).to(tl.float32)  # [FR, LP]
         SK = tl.zeros((FR, LP), dtype=tl.float32)  # S_anchor k_j
-        if HOLD:
-            tiles = ()
-            for c in tl.static_range(DK // SKC):
-                cols = c * SKC + tl.arange(0, SKC)
-                K_part = tl.load(bk_ptr + (buf_tok[:, None] * HK + khead) * DK + cols[None, :], mask=old[:, None],
-                                 other=0.0).to(tl.float32)
-                tiles = tiles + ((load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT), K_part),)
-            for c in tl.static_range(DK // SKC):
-                SK += tl.dot(tiles[c][0], tl.trans(tiles[c][1]), input_precision="tf32x3")
-            R = tl.where(old[None, :], beta_c[None, :] * (V_c - ec[None, :] * SK), 0.0)
-            U = tl.dot(R, Tinv, input_precision="tf32x3") * es[None, :]
-            for c in tl.static_range(DK // SKC):
-                cols = c * SKC + tl.arange(0, SKC)
-                S = tiles[c][0] * total
-                S += tl.dot(U, tiles[c][1], input_precision="tf32x3")
-                write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, cols, seed,
-                                 tokens, DV, DK, A_FMT, A_SR, R_FMT, R_SR, SHARED or READ_AFTER)
-        else:
-            for c in tl.range(0, DK // SKC, num_stages=STAGES):  # a loop, not unrolled: registers
-                cols = c * SKC + tl.arange(0, SKC)
-                K_part = tl.load(bk_ptr + (buf_tok[:, None] * HK + khead) * DK + cols[None, :], mask=old[:, None],
-                                 other=0.0).to(tl.float32)
-                S_part = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT)
-                SK += tl.dot(S_part, tl.trans(K_part), input_precision="tf32x3")
-            R = tl.where(old[None, :], beta_c[None, :] * (V_c - ec[None, :] * SK), 0.0)
-            U = tl.dot(R, Tinv, input_precision="tf32x3") * es[None, :]  # residuals, decayed to the end
-            for c in tl.range(0, DK // KC, num_stages=STAGES):  # a loop, not unrolled: registers
-                cols = c * KC + tl.arange(0, KC)
-                K_part = tl.load(bk_ptr + (buf_tok[:, None] * HK + khead) * DK + cols[None, :], mask=old[:, None],
-                                 other=0.0).to(tl.float32)
-                S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT) * total
-                S += tl.dot(U, K_part, input_precision="tf32x3")
-                write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, cols, seed,
-                                 tokens, DV, DK, A_FMT, A_SR, R_FMT, R_SR, SHARED or READ_AFTER)
+        for c in tl.range(0, DK // SKC, num_stages=STAGES):  # a loop, not unrolled: registers
+            cols = c * SKC + tl.arange(0, SKC)
+            K_part = tl.load(bk_ptr + (buf_tok[:, None] * HK + khead) * DK + cols[None, :], mask=old[:, None],
+                             other=0.0).to(tl.float32)
+            S_part = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT)
+            SK += tl.dot(S_part, tl.trans(K_part), input_precision="tf32x3")
+        R = tl.where(old[None, :], beta_c[None, :] * (V_c - ec[None, :] * SK), 0.0)
+        U = tl.dot(R, Tinv, input_precision="tf32x3") * es[None, :]  # residuals, decayed to the end
+        for c in tl.range(0, DK // KC, num_stages=STAGES):  # a loop, not unrolled: registers
+            cols = c * KC + tl.arange(0, KC)
+            K_part = tl.load(bk_ptr + (buf_tok[:, None] * HK + khead) * DK + cols[None, :], mask=old[:, None],
+                             other=0.0).to(tl.float32)
+            S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT) * total
+            S += tl.dot(U, K_part, input_precision="tf32x3")
+            write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, cols, seed,
+                             tokens, DV, DK, A_FMT, A_SR, R_FMT, R_SR, SHARED or READ_AFTER)
         if READ_AFTER:
             read_copy_from_anchor(av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, seed, tokens,
                                   DV, DK, A_FMT, R_FMT, R_SR)
@@ -235,11 +214,10 @@ def _gdn_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
                         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
                         FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
                         R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr,
-                        READ_AFTER: tl.constexpr, ROUNDS: tl.constexpr, HOLD: tl.constexpr, PDL: tl.constexpr):
+                        READ_AFTER: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
     """The refresh in a launch of its own (``StepShape.split``): program (v, head, c) refreshes FR
     rows of value head ``head`` of the slots due of ranks c, c + n, ... in the list the scores launch
-    made (``window.list_due``; n programs per tile, ``launch.refresh_grid``). HOLD: the anchor
-    chunks are held in registers between the residual solve and the fold (``_gdn_refresh_rows``)."""
+    made (``window.list_due``; n programs per tile, ``launch.refresh_grid``)."""
     after_previous_launch(PDL)
     pid_v, head, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     count = tl.load(due_ptr)
@@ -251,8 +229,7 @@ def _gdn_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
             h = tl.load(cursors_ptr + pid_b)
             _gdn_refresh_rows(pid_b, head, head // (HV // HK), row, h, pid_v * FR, seeds_ptr, tokens_ptr, tinv_ptr,
                               decays_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, HV,
-                              HK, L, LP, DV, DK, FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER,
-                              HOLD)
+                              HK, L, LP, DV, DK, FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
 
 
 @triton.jit
@@ -418,8 +395,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
                    cache.tokens, cache.seeds, tinv, decays, *anchor, *read, buf["k"], buf["v"], buf["beta"], due,
                    HV, HK, T=T, L=cache.window, LP=LP, DV=V, DK=K, FR=FR, KC=KC,
                    STAGES=shape.stages, READ_AFTER=read_after,
-                   ROUNDS=launch.refresh_grid(b, T, cache.window)[1], HOLD=KC == min(32, K),
-                   num_warps=shape.refresh_warps, **consts)
+                   ROUNDS=launch.refresh_grid(b, T, cache.window)[1], num_warps=shape.refresh_warps, **consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
     launch.run(
         _gdn_step_kernel, (V // shape.rows, HV, b),
