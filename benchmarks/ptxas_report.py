@@ -155,7 +155,7 @@ def main(argv=None):
                 if shape != "default":
                     launch.TUNING.update(launch.parse_shape(shape))
                 for kernel, a, kw in record_step(arch, preset, args.draft):
-                    if not any(part in kernel.fn.__name__ for part in ("step", "refresh", "scores")):
+                    if not any(part in kernel.fn.__name__ for part in ("step", "refresh", "scores", "solve")):
                         continue
                     if args.instructions:
                         os.makedirs(args.instructions, exist_ok=True)

@@ -256,8 +256,9 @@ def test_mamba2_input_preparation_in_kernel_matches_torch(softplus):
 @pytest.mark.parametrize("arch", ["mamba2", "gdn"])
 def test_a_triton_step_is_three_or_four_launches_and_no_pytorch_compute(arch):
     """With check_values off (as under CUDA-graph capture) a decode step is the scores, step and
-    advance launches with the refresh a branch of the step, or with the refresh launch between
-    scores and step (``StepShape.split``); PyTorch only allocates outputs and scratch and makes views."""
+    advance launches (GDN: and the solve launch after the scores) with the refresh a branch of the
+    step, or with the refresh launch before the step (``StepShape.split``); PyTorch only allocates
+    outputs and scratch and makes views."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from replayssm._triton import launch
@@ -292,8 +293,9 @@ def test_a_triton_step_is_three_or_four_launches_and_no_pytorch_compute(arch):
         finally:
             launch.LAUNCHER = launch._launch
             launch.TUNING.clear()
+        solve = ["_gdn_solve_kernel"] if arch == "gdn" else []
         refresh = [f"_{arch}_refresh_kernel"] if split else []
-        assert launches == [f"_{arch}_scores_kernel", *refresh, f"_{arch}_step_kernel", "advance_kernel"]
+        assert launches == [f"_{arch}_scores_kernel", *solve, *refresh, f"_{arch}_step_kernel", "advance_kernel"]
         assert ops.names <= {"empty", "empty_like", "select", "unsqueeze", "view", "slice"}, ops.names
 
 

@@ -1,14 +1,16 @@
 """Launch plumbing shared by the Mamba-2 and GDN kernels, and the launch policy.
 
-A step is three launches with no host synchronization and no PyTorch work in between:
+A step is three launches (GDN: four) with no host synchronization and no PyTorch work in between:
 
 1. the architecture's scores kernel, one program per (batch row, group or key head): the input
    preparation (softplus and log decays; L2 norms and the query scale), the dot products of the
    window's keys with the new queries, a copy of each batch row's committed count that the next
-   launch reads without waiting on the slot id, and, for the slots whose window is full, the
-   refresh's per-token scalars (fold weights and decays; for GDN the inverse of the residual
-   system). Those scalars are computed here, at one shape for every preset, so that the anchor's
-   bits cannot depend on the step kernel's tile shape;
+   launch reads without waiting on the slot id, the list of slots whose window is full
+   (``window.list_due``) and their refresh's per-token scalars: Mamba-2's fold weights and decays
+   here; GDN's decays and the inverse of its residual system in a launch of their own that follows
+   (``_gdn_solve_kernel``, over the slots due only: its registers would hold the scores launch at
+   a third of its occupancy). Those scalars are computed at one shape for every preset and batch,
+   so that the anchor's bits cannot depend on the step kernel's tile shape;
 2. the step kernel, one program per (block of state rows, head, batch row). A program whose slot
    is due folds its rows into a new checkpoint (from the anchor), encodes anchor and read copy
    from the same unrounded state, then computes its outputs from the read copy like every other
@@ -246,6 +248,7 @@ class StepShape(NamedTuple):
     stages: int = 2  #: column chunks of a refresh's fold in flight (software-pipelined loop)
     maxnreg: int = 0  #: a register cap for the step kernel (ptxas), 0 = none
     refresh_warps: int = 2  #: warps per program of a split refresh launch (32 rows per program)
+    refresh_maxnreg: int = 0  #: a register cap for the split refresh launch (ptxas), 0 = none
 
 
 #: Step shapes by (architecture, read format): entries (least draft length, fields of StepShape that
@@ -261,7 +264,12 @@ class StepShape(NamedTuple):
 #:   (393.7), tp8_hi32 340.2 (379.3), tp4_hi32 576.0 (686.8); Mamba-2 tp8_hi32 222.1 (238.5),
 #:   tp4_hi32 400.9 with 4-warp refresh programs (431.5); verify of T = 4: Mamba-2 s32_rs 643.3
 #:   (652.8), tp16_hi32 569.7 (593.3), GDN tp16_hi32 853.5 (900.2);
-#: - 3 fold stages in flight beat 2 in a launch, 2 beat 1 in a branch (GDN decode 443.9 / 466.0).
+#: - 3 fold stages in flight beat 2 in a launch, 2 beat 1 in a branch (GDN decode 443.9 / 466.0);
+#: - GDN's refresh launch, which lists only the slots due, with a register cap (its loop over them
+#:   took 218 registers): decode s32_rs 390.2 with 128 (168: 391.2, none: 407.4), tp8_hi32 303.5
+#:   (306.7, 323.6), tp16_hi32 341.5 with 168 (128: 344.0); verify of T = 4
+#:   tp16_hi32 836.2 with 168 (128: 852.8, none: 846.2). NVFP4 read copies take none: with a 2-byte
+#:   anchor (tp4_hi16_sr) a cap of 128 spills 1.4 KB.
 #:
 #: One warp per 32 rows keeps row reductions inside a warp; NVFP4 takes 4 warps (one cannot hide
 #: its nibble decoding). GDN verify steps of T >= 4 run their read-copy products on tensor cores,
@@ -276,10 +284,10 @@ SHAPES = {
     ("mamba2", "bf16"): ((1, dict(pin=16, split=False, stages=2, maxnreg=168)), (2, dict(pin=16))),
     ("mamba2", "fp8_e4m3"): ((1, {}),),
     ("mamba2", "nvfp4"): ((1, dict(warps=4, refresh_warps=4)),),
-    ("gdn", "fp32"): ((1, dict(pin=16)), (4, dict(split=False, **_VERIFY_DOT))),
-    ("gdn", "fp16"): ((1, dict(pin=8)), (4, _VERIFY_DOT)),
-    ("gdn", "bf16"): ((1, dict(pin=16)), (4, _VERIFY_DOT)),
-    ("gdn", "fp8_e4m3"): ((1, {}), (4, _VERIFY_DOT)),
+    ("gdn", "fp32"): ((1, dict(pin=16, refresh_maxnreg=128)), (4, dict(split=False, **_VERIFY_DOT))),
+    ("gdn", "fp16"): ((1, dict(pin=8, refresh_maxnreg=168)), (4, dict(refresh_maxnreg=168, **_VERIFY_DOT))),
+    ("gdn", "bf16"): ((1, dict(pin=16, refresh_maxnreg=168)), (4, dict(refresh_maxnreg=168, **_VERIFY_DOT))),
+    ("gdn", "fp8_e4m3"): ((1, dict(refresh_maxnreg=128)), (4, dict(refresh_maxnreg=128, **_VERIFY_DOT))),
     ("gdn", "nvfp4"): ((1, dict(warps=4)),),
 }
 

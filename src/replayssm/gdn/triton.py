@@ -1,9 +1,9 @@
 """Gated DeltaNet ReplaySSM Triton kernels: output-only decode/verify with the refresh as a branch.
 
-A step is three launches (``_triton/launch.py``): ``_gdn_scores_kernel`` (the input preparation
+A step is four launches (``_triton/launch.py``): ``_gdn_scores_kernel`` (the input preparation
 — L2 norms, query scale, fp32 casts — and k_j . q_s, k_j . k_s over the window, once per batch row
-and key head; for slots whose window is full, the decays and the inverse of the residual system),
-``_gdn_step_kernel`` (one program per block of state rows, value head and batch row; GDN's
+and key head; the list of slots due to refresh), ``_gdn_solve_kernel`` (for the slots due only:
+the decays and the inverse of the residual system), ``_gdn_step_kernel`` (one program per block of state rows, value head and batch row; GDN's
 residuals are separable over state rows) and ``launch.advance`` (shared buffer fields k, g, beta
 and the cursors).
 
@@ -13,7 +13,7 @@ the unit lower-triangular system
 
     u_j + sum_{i<j} beta_j e^{g(i, j]} (k_i . k_j) u_i = beta_j (v_j - e^{c_j} S_anchor k_j),
 
-so U = R (I + M)^{-T} with the [L, L] inverse from the scores launch, and
+so U = R (I + M)^{-T} with the [L, L] inverse from the solve launch, and
 
     S_new = e^{c_h} S_anchor + sum_j e^{g(j, h)} u_j k_j^T.
 
@@ -80,27 +80,23 @@ def _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L: tl.cons
 
 
 @triton.jit
-def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, bbeta_ptr, k_ptr, q_ptr, kn_ptr,
-                       qn_ptr, scores_ptr, tinv_ptr, decays_ptr, a_ptr, b_ptr, alog_ptr, dtb_ptr, gn_ptr, betan_ptr,
-                       due_ptr, scale, SCRATCH, B, HK, HV,
+def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_ptr, kn_ptr, qn_ptr, scores_ptr,
+                       a_ptr, b_ptr, alog_ptr, dtb_ptr, gn_ptr, betan_ptr, due_ptr, scale, SCRATCH, B, HK, HV,
                        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, RATIO: tl.constexpr,
-                       SQUARINGS: tl.constexpr, NORM: tl.constexpr, GATE: tl.constexpr, HAS_DTB: tl.constexpr,
-                       RP: tl.constexpr, DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, PDL: tl.constexpr):
+                       NORM: tl.constexpr, GATE: tl.constexpr, HAS_DTB: tl.constexpr, RP: tl.constexpr,
+                       DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, PDL: tl.constexpr):
     """Once per (batch row, key head): the T new keys and queries prepared in fp32 (L2-normalized
     when NORM, as flash-linear-attention's l2norm, queries times ``scale``) into kn, qn [b, T, HK, K]
     for the other launches; the batch row's committed count into ``cursors`` [b]; then
     scores[b, kh, 0, s, j] = k_j . q_s and scores[b, kh, 1, s, j] = k_j . k_s over the entries of
-    the window (committed + new). For a slot due to refresh, per value head of the key head:
-    tinv[b, vh] = (I + M)^{-T} [LP, LP] and decays[b, vh] = (e^{c_j}, e^{g(j, h)}, e^{c_h} at 2, 0).
-    GATE: the new tokens' gates of the key head's value heads from the raw inputs, as
+    the window (committed + new). GATE: the new tokens' gates of the key head's value heads from the raw inputs, as
     flash-linear-attention's gated delta rule takes them: g = -exp(A_log) softplus(a + dt_bias) and
-    beta = sigmoid(b) into gn, betan [b, T, HV] fp32 for the other launches. DUE_CH > 0: program
-    (0, 0) also lists the slots due for a refresh launch of its own (``window.list_due``)."""
+    beta = sigmoid(b) into gn, betan [b, T, HV] fp32 for the other launches. Program (0, 0) also
+    lists the slots due to refresh for the solve and refresh launches (``window.list_due``)."""
     after_previous_launch(PDL)
     pid_b, khead = tl.program_id(0), tl.program_id(1)
-    if DUE_CH > 0:
-        if (pid_b == 0) & (khead == 0):
-            list_due(slots_ptr, committed_ptr, due_ptr, B, T, L, DUE_CH, DUE_PASSES)
+    if (pid_b == 0) & (khead == 0):
+        list_due(slots_ptr, committed_ptr, due_ptr, B, T, L, DUE_CH, DUE_PASSES)
     ck = tl.arange(0, DK)
     vh = khead * RATIO + tl.arange(0, RP)  # the key head's value heads (``mine``: the real ones)
     mine = tl.arange(0, RP) < RATIO
@@ -144,18 +140,42 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, bb
         at = ((pid_b * HK + khead) * 2 * T + s) * LP
         tl.store(scores_ptr + at + j, q_sc)
         tl.store(scores_ptr + at + T * LP + j, k_sc)
-    if need:  # the refresh's solve, at this launch's shape for every preset
-        K_c = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :], mask=(j < h)[:, None],
-                      other=0.0).to(tl.float32)
-        gram = tl.dot(K_c, tl.trans(K_c), input_precision="ieee")  # k_j . k_i
-        X, ec, es, total = _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L, LP, SQUARINGS)
-        base = (pid_b * HV + vh) * LP  # [RP]
-        m3 = mine[:, None, None]
-        tl.store(tinv_ptr + (base[:, None, None] + j[None, None, :]) * LP + j[None, :, None], X, mask=m3)  # [i, j] = X[j, i]
-        tl.store(decays_ptr + base[:, None] * 3 + j[None, :], ec, mask=mine[:, None])
-        tl.store(decays_ptr + base[:, None] * 3 + LP + j[None, :], es, mask=mine[:, None])
-        tl.store(decays_ptr + base[:, None] * 3 + 2 * LP + j[None, :], tl.where(j[None, :] == 0, total[:, None], 0.0),
-                 mask=mine[:, None])
+
+
+@triton.jit
+def _gdn_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bg_ptr, bbeta_ptr, tinv_ptr, decays_ptr, HK, HV,
+                      L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, RATIO: tl.constexpr, RP: tl.constexpr,
+                      SQUARINGS: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
+    """The refresh's solve, for the slots due only (the scores launch's list, ``window.list_due``):
+    program (key head, c) takes the slots of ranks c, c + n, ... and writes, per value head of the
+    key head, tinv[b, vh] = (I + M)^{-T} [LP, LP] and decays[b, vh] = (e^{c_j}, e^{g(j, h)}, e^{c_h}
+    at 2, 0). A launch of its own, always at ``SOLVE_WARPS``: its registers would otherwise hold
+    the scores launch at a third of its occupancy, and one shape for every preset and batch keeps
+    the anchor's bits independent of both."""
+    after_previous_launch(PDL)
+    khead, c = tl.program_id(0), tl.program_id(1)
+    ck = tl.arange(0, DK)
+    j = tl.arange(0, LP)
+    vh = khead * RATIO + tl.arange(0, RP)  # the key head's value heads (``mine``: the real ones)
+    mine = tl.arange(0, RP) < RATIO
+    count = tl.load(due_ptr)
+    for it in tl.range(0, ROUNDS, num_stages=1):  # a constant trip count: the interpreter needs one
+        r = c + it * tl.num_programs(1)
+        if r < count:
+            pid_b = tl.load(due_ptr + 1 + r)
+            row = tl.load(slots_ptr + pid_b).to(tl.int64)
+            h = tl.load(cursors_ptr + pid_b)
+            K_c = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :], mask=(j < h)[:, None],
+                          other=0.0).to(tl.float32)
+            gram = tl.dot(K_c, tl.trans(K_c), input_precision="ieee")  # k_j . k_i
+            X, ec, es, total = _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L, LP, SQUARINGS)
+            base = (pid_b * HV + vh) * LP  # [RP]
+            tl.store(tinv_ptr + (base[:, None, None] + j[None, None, :]) * LP + j[None, :, None], X,
+                     mask=mine[:, None, None])  # [i, j] = X[j, i]
+            tl.store(decays_ptr + base[:, None] * 3 + j[None, :], ec, mask=mine[:, None])
+            tl.store(decays_ptr + base[:, None] * 3 + LP + j[None, :], es, mask=mine[:, None])
+            tl.store(decays_ptr + base[:, None] * 3 + 2 * LP + j[None, :],
+                     tl.where(j[None, :] == 0, total[:, None], 0.0), mask=mine[:, None])
 
 
 @triton.jit
@@ -349,6 +369,10 @@ def _gdn_step_kernel(
         tl.store(bu_ptr + (tok_buf * HV + head) * DV + rv, u_s)
 
 
+#: Warps of every solve launch (``_gdn_solve_kernel``): one shape for every preset and batch.
+SOLVE_WARPS = 4
+
+
 def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: bool, o, gate=None):
     """One GDN decode (T = 1) or verify step on the Triton backend.
 
@@ -382,20 +406,24 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     tinv = torch.empty(b, HV, LP, LP, dtype=torch.float32, device=dev)
     decays = torch.empty(b, HV, 3, LP, dtype=torch.float32, device=dev)
     cursors = torch.empty(b, dtype=cache.committed.dtype, device=dev)
-    due = torch.empty(b + 1 if shape.split else 1, dtype=torch.int32, device=dev)
-    launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], buf["g"], buf["beta"], k, q,
-               kn, qn, scores, tinv, decays, *gate_args, due, float(scale), cache.scratch_row, b, HK, HV, T=T,
-               L=cache.window, LP=LP, DK=K, RATIO=HV // HK, SQUARINGS=LP.bit_length() - 2, NORM=normalize,
-               GATE=gate is not None, HAS_DTB=gate is not None and gate[3] is not None,
-               RP=triton.next_power_of_2(HV // HK), **launch.due_scan(b, shape.split))
+    due = torch.empty(b + 1, dtype=torch.int32, device=dev)
+    launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], k, q, kn, qn, scores,
+               *gate_args, due, float(scale), cache.scratch_row, b, HK, HV, T=T, L=cache.window, LP=LP, DK=K,
+               RATIO=HV // HK, NORM=normalize, GATE=gate is not None, HAS_DTB=gate is not None and gate[3] is not None,
+               RP=triton.next_power_of_2(HV // HK), **launch.due_scan(b, True))
+    programs, rounds = launch.refresh_grid(b, T, cache.window)
+    launch.run(_gdn_solve_kernel, (HK, programs), slots, cursors, due, buf["k"], buf["g"], buf["beta"], tinv, decays,
+               HK, HV, L=cache.window, LP=LP, DK=K, RATIO=HV // HK, RP=triton.next_power_of_2(HV // HK),
+               SQUARINGS=LP.bit_length() - 2, ROUNDS=rounds, num_warps=SOLVE_WARPS)
     FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "gdn")
     read_after = launch.read_copy_after_fold(cache)
     if shape.split:
-        launch.run(_gdn_refresh_kernel, (V // FR, HV, launch.refresh_grid(b, T, cache.window)[0]), slots, cursors,
+        extra_refresh = {"maxnreg": shape.refresh_maxnreg} if shape.refresh_maxnreg else {}
+        launch.run(_gdn_refresh_kernel, (V // FR, HV, programs), slots, cursors,
                    cache.tokens, cache.seeds, tinv, decays, *anchor, *read, buf["k"], buf["v"], buf["beta"], due,
                    HV, HK, T=T, L=cache.window, LP=LP, DV=V, DK=K, FR=FR, KC=KC,
                    STAGES=shape.stages, READ_AFTER=read_after,
-                   ROUNDS=launch.refresh_grid(b, T, cache.window)[1], num_warps=shape.refresh_warps, **consts)
+                   ROUNDS=rounds, num_warps=shape.refresh_warps, **extra_refresh, **consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
     launch.run(
         _gdn_step_kernel, (V // shape.rows, HV, b),
