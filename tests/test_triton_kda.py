@@ -92,6 +92,23 @@ def test_triton_verify_rounds_match_float64(variant):
     assert tr.state_error([0, 1, 2]) <= helpers.S32_TOL
 
 
+def test_triton_split_refresh_of_aligned_windows():
+    """Every slot due in the same step, the refresh a launch of its own: its programs walk the list
+    of slots due (one program per tile here refreshes all three), checked against float64."""
+    layer = make_layer(6)
+    tr = helpers.Tracker(layer, layer.cache(3, window=4), seed=7)
+    tr.load([0, 1, 2])
+    launch.TUNING.update(split=True)
+    try:
+        for _ in range(6):
+            tr.decode([1, -1, 2, 0])
+    finally:
+        launch.TUNING.clear()
+    assert [tr.refreshes[s] for s in (0, 1, 2)] == [1, 1, 1]
+    assert tr.max_rel <= 2e-5, tr.max_rel
+    assert tr.state_error([0, 1, 2]) <= helpers.S32_TOL
+
+
 @pytest.mark.parametrize("preset", sorted(rs.PRESETS))
 def test_triton_every_preset_within_its_read_format(preset):
     """Decode and a verify across two refreshes: outputs within the read format's bound of the

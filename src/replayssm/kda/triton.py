@@ -19,7 +19,8 @@ A step is GDN's launches (``_triton/launch.py``):
   (i < j < h), the right-hand side's keys rk_j = e^{G_j} * k_j and the fold's keys
   fk_j = e^{g(j, h)} * k_j [LP, K] (zero past h), and e^{G_h} [K];
 - the refresh, a branch of ``_kda_step_kernel`` or a launch of its own (``_kda_refresh_kernel``,
-  ``StepShape.split``), over FOLD_ROWS-row sub-tiles with 3-pass-tf32 products:
+  ``StepShape.split``, over the slots due that the scores launch lists, ``window.list_due``), over
+  FOLD_ROWS-row sub-tiles with 3-pass-tf32 products:
 
       U = beta (V - S_anchor RK^T) (I + M)^{-T},    S_new = S_anchor Diag(e^{G_h}) + U FK,
 
@@ -57,7 +58,7 @@ from .._triton.formats import (
 )
 from .._triton.launch import after_previous_launch
 from .._triton.solve import unit_lower_inverse
-from .._triton.window import slot_cursor, slot_row, step_cursor, window_rows
+from .._triton.window import list_due, slot_cursor, slot_row, step_cursor, window_rows
 from ..gdn.triton import (
     _token_loads,  # the new tokens' inputs, laid out per value head as GDN's per key head
 )
@@ -114,17 +115,22 @@ def _refresh_scalars(bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr, total_p
 
 @triton.jit
 def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, bbeta_ptr, k_ptr, q_ptr, g_ptr,
-                       kn_ptr, qn_ptr, kd_ptr, qd_ptr, scores_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr,
-                       scale, SCRATCH, HK, HV,
+                       kn_ptr, qn_ptr, kd_ptr, qd_ptr, scores_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr, due_ptr,
+                       scale, SCRATCH, B, HK, HV,
                        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, RATIO: tl.constexpr,
-                       SQUARINGS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+                       SQUARINGS: tl.constexpr, NORM: tl.constexpr, DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr,
+                       PDL: tl.constexpr):
     """Once per (batch row, key head): the T new keys and queries prepared in fp32 (L2-normalized
     when NORM, as flash-linear-attention's l2norm; queries times ``scale``) into kn, qn
     [b, T, HK, K]; the batch row's committed count into ``cursors`` [b]; then per value head of
     the key head the decay-weighted scores [b, HV, 2, T, LP] and kd, qd [b, T, HV, K], and for a
-    slot due to refresh its scalars (``_refresh_scalars``)."""
+    slot due to refresh its scalars (``_refresh_scalars``). DUE_CH > 0: program (0, 0) also lists
+    the slots due for a refresh launch of its own (``window.list_due``)."""
     after_previous_launch(PDL)
     pid_b, khead = tl.program_id(0), tl.program_id(1)
+    if DUE_CH > 0:
+        if (pid_b == 0) & (khead == 0):
+            list_due(slots_ptr, committed_ptr, due_ptr, B, T, L, DUE_CH, DUE_PASSES)
     ck = tl.arange(0, DK)
     for s in tl.static_range(T):
         at = ((pid_b * T + s) * HK + khead) * DK + ck
@@ -214,21 +220,26 @@ def _kda_refresh_rows(pid_b, head, row, h, r0, seeds_ptr, tokens_ptr, tinv_ptr, 
 
 @triton.jit
 def _kda_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr,
-                        av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bv_ptr, bbeta_ptr, SCRATCH, HV,
+                        av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bv_ptr, bbeta_ptr, due_ptr, HV,
                         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
                         FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
                         R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr,
-                        READ_AFTER: tl.constexpr, PDL: tl.constexpr):
-    """The refresh in a launch of its own (``StepShape.split``): one program per FR rows of a value
-    head and batch row; programs of slots that are not due exit."""
+                        READ_AFTER: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
+    """The refresh in a launch of its own (``StepShape.split``): program (v, head, c) refreshes FR
+    rows of value head ``head`` of the slots due of ranks c, c + n, ... in the list the scores launch
+    made (``window.list_due``; n programs per tile, ``launch.refresh_grid``)."""
     after_previous_launch(PDL)
-    pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
-    h, need = step_cursor(cursors_ptr, pid_b, valid, T, L)
-    if need:
-        _kda_refresh_rows(pid_b, head, row, h, pid_v * FR, seeds_ptr, tokens_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr,
-                          av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bv_ptr, bbeta_ptr, HV, L, LP, DV, DK, FR,
-                          FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
+    pid_v, head, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    count = tl.load(due_ptr)
+    for it in tl.range(0, ROUNDS, num_stages=1):  # a constant trip count: the interpreter needs one
+        r = c + it * tl.num_programs(2)
+        if r < count:
+            pid_b = tl.load(due_ptr + 1 + r)
+            row = tl.load(slots_ptr + pid_b).to(tl.int64)
+            h = tl.load(cursors_ptr + pid_b)
+            _kda_refresh_rows(pid_b, head, row, h, pid_v * FR, seeds_ptr, tokens_ptr, tinv_ptr, rk_ptr, fk_ptr,
+                              total_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bv_ptr, bbeta_ptr, HV, L, LP,
+                              DV, DK, FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
 
 
 @triton.jit
@@ -338,15 +349,18 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     total = torch.empty(b, HV, K, dtype=f32, device=dev)
     cursors = torch.empty(b, dtype=cache.committed.dtype, device=dev)
     refresh = (tinv, rk, fk, total)
+    due = torch.empty(b + 1 if shape.split else 1, dtype=torch.int32, device=dev)
     launch.run(_kda_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], buf["g"], buf["beta"], k, q,
-               g, kn, qn, kd, qd, scores, *refresh, float(scale), cache.scratch_row, HK, HV, T=T, L=cache.window,
-               LP=LP, DK=K, RATIO=HV // HK, SQUARINGS=LP.bit_length() - 2, NORM=normalize)
+               g, kn, qn, kd, qd, scores, *refresh, due, float(scale), cache.scratch_row, b, HK, HV, T=T,
+               L=cache.window, LP=LP, DK=K, RATIO=HV // HK, SQUARINGS=LP.bit_length() - 2, NORM=normalize,
+               **launch.due_scan(b, shape.split))
     FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "kda")
     read_after = launch.read_copy_after_fold(cache)
     if shape.split:
-        launch.run(_kda_refresh_kernel, (V // FR, HV, b), slots, cursors, cache.tokens, cache.seeds, *refresh,
-                   *anchor, *read, buf["v"], buf["beta"], cache.scratch_row, HV, T=T, L=cache.window, LP=LP, DV=V,
-                   DK=K, FR=FR, KC=KC, STAGES=shape.stages, READ_AFTER=read_after, num_warps=shape.refresh_warps,
+        n, rounds = launch.refresh_grid(b, T, cache.window)
+        launch.run(_kda_refresh_kernel, (V // FR, HV, n), slots, cursors, cache.tokens, cache.seeds, *refresh,
+                   *anchor, *read, buf["v"], buf["beta"], due, HV, T=T, L=cache.window, LP=LP, DV=V, DK=K, FR=FR,
+                   KC=KC, STAGES=shape.stages, READ_AFTER=read_after, ROUNDS=rounds, num_warps=shape.refresh_warps,
                    **consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
     launch.run(
