@@ -2,7 +2,7 @@
 (sm_90a) on a machine without a GPU: the launches of one step on a CPU cache are recorded instead of
 run, compiled by Triton for the GPU target, and assembled by the ptxas that ships in triton's wheel.
 
-    PYTHONPATH=src python3 benchmarks/ptxas_report.py [--presets s32_rs,tp8_hi32] [--shapes 32x1,64x4ok3] [--draft 4]
+    PYTHONPATH=src python3 benchmarks/ptxas_report.py [--arch mamba2,gdn,kda] [--presets s32_rs,tp8_hi32] [--shapes 32x1,64x4ok3] [--draft 4]
 
 High register counts mean few programs per multiprocessor (65536 registers per SM); spills go to
 local memory. ``sass`` counts the kernel's machine instructions (nvdisasm; the kernels unroll their
@@ -32,7 +32,8 @@ TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16"
 # the real geometries (two slots) with the benchmarks' bf16 buffers: the head counts and
 # element types decide the compiler's alignment facts, hence vector widths and layouts
 GEOMETRY = {"mamba2": dict(nheads=128, headdim=64, dstate=128, ngroups=8, buffer_dtype=torch.bfloat16),
-            "gdn": dict(num_k_heads=16, num_v_heads=64, head_k_dim=128, head_v_dim=128, buffer_dtype=torch.bfloat16)}
+            "gdn": dict(num_k_heads=16, num_v_heads=64, head_k_dim=128, head_v_dim=128, buffer_dtype=torch.bfloat16),
+            "kda": dict(num_k_heads=32, num_v_heads=32, head_k_dim=128, head_v_dim=128, buffer_dtype=torch.bfloat16)}
 
 
 def record_step(arch: str, preset: str, T: int = 1):
@@ -51,10 +52,13 @@ def record_step(arch: str, preset: str, T: int = 1):
             (rs.mamba2_verify if T > 1 else rs.mamba2_decode)(
                 c, slots, *(a[:, 0] if T == 1 and a.dim() > 1 else a for a in args[:-1]), args[-1], backend="triton")
         else:
-            c = rs.GDNCache(2, window=16, max_draft=4, precision=preset, **GEOMETRY[arch])
+            cache_type, decode, verify = {"gdn": (rs.GDNCache, rs.gdn_decode, rs.gdn_verify),
+                                          "kda": (rs.KDACache, rs.kda_decode, rs.kda_verify)}[arch]
+            c = cache_type(2, window=16, max_draft=4, precision=preset, **GEOMETRY[arch])
             HK, HV, K, V = c.num_k_heads, c.num_v_heads, c.head_k_dim, c.head_v_dim
-            args = (r(b, T, HK, K), r(b, T, HK, K), r(b, T, HV, V), -torch.rand(b, T, HV), torch.rand(b, T, HV))
-            (rs.gdn_verify if T > 1 else rs.gdn_decode)(
+            decay = (b, T, HV, K) if arch == "kda" else (b, T, HV)  # KDA: one per key channel
+            args = (r(b, T, HK, K), r(b, T, HK, K), r(b, T, HV, V), -torch.rand(*decay), torch.rand(b, T, HV))
+            (verify if T > 1 else decode)(
                 c, slots, *(a[:, 0] if T == 1 else a for a in args), use_qk_l2norm=True, backend="triton")
     finally:
         launch.LAUNCHER = launch._launch
@@ -127,7 +131,7 @@ def instructions(compiled) -> list[str]:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", default="mamba2,gdn")
+    ap.add_argument("--arch", default="mamba2,gdn,kda")
     ap.add_argument("--presets", default="s32_rs,tp16_hi32,tp8_hi32,tp4_hi16_sr,f4_sr_rs")
     ap.add_argument("--shapes", default="default",
                     help="default, or labels as launch.parse_shape reads them, e.g. 32x1,64x4ok3")

@@ -5,7 +5,7 @@ label), and compare the anchor bits with the first configuration's. The kernels 
 sub-tiles with tensor-core products and take the refresh's per-token scalars from the scores
 launch, so this holds by construction; this is the check on the device. One line per configuration.
 
-    PYTHONPATH=src python3 benchmarks/refresh_bits.py [--arch mamba2,gdn] [--draft 4] \
+    PYTHONPATH=src python3 benchmarks/refresh_bits.py [--arch mamba2,gdn,kda] [--draft 4] \
         [--configs s32_rs,tp16_hi32,tp8_hi32,tp4_hi32,s32_rs@64x4] [--small]
 """
 from __future__ import annotations
@@ -18,9 +18,9 @@ from replayssm._triton import launch
 from replayssm.bench import suite
 from replayssm.bench.suite import Problem
 
-GEO = {"mamba2": "nemotron3-super", "gdn": "qwen35-122b"}
+GEO = {"mamba2": "nemotron3-super", "gdn": "qwen35-122b", "kda": "kimi-linear-48b"}
 DRAFT = 1  # tokens per step (--draft)
-SMALL = {"mamba2": (2, 64, 128, 1), "gdn": (2, 128, 128, 1)}  # H,P,N,G; --small: a CPU smoke run (TRITON_INTERPRET=1)
+SMALL = {"mamba2": (2, 64, 128, 1), "gdn": (2, 128, 128, 1), "kda": (2, 128, 128, 1)}  # H,P,N,G; --small: a CPU smoke run (TRITON_INTERPRET=1)
 
 
 def run(arch: str, preset: str, tuning: dict, dims, device, batch: int = 8, window: int = 16):
@@ -48,7 +48,7 @@ def run(arch: str, preset: str, tuning: dict, dims, device, batch: int = 8, wind
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--arch", default="mamba2,gdn")
+    ap.add_argument("--arch", default="mamba2,gdn,kda")
     ap.add_argument("--configs", default="s32_rs,tp16_hi32,tpbf16_hi32,tp8_hi32,tp4_hi32,s32_rs@64x4",
                     help="presets with the same anchor format, each optionally @ a launch.parse_shape label")
     ap.add_argument("--draft", type=int, default=1,

@@ -87,11 +87,11 @@ def test_memory_report_per_sequence():
     assert rows["s32_rs"]["conventional_speculative"] == elems * 4 * 5
 
 
-@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
+@pytest.mark.parametrize("arch", ["mamba2", "gdn", "kda"])
 def test_correctness_gate_passes_the_real_kernel_and_refuses_a_broken_one(arch):
     from replayssm.bench import measure, suite
 
-    dims = (4, 16, 32, 2) if arch == "mamba2" else (4, 16, 32, 2)
+    dims = (4, 16, 32, 2)
     p = Problem(arch, dims, 4, 1)  # batch 4: at the first step the only active row is a pad
     _, rel, _ = measure.correctness(p, "s32_rs", "cpu", "torch", steps=18, rounds=2, T=2)
     assert rel <= measure.gate_tolerance("s32_rs")
@@ -179,7 +179,7 @@ def test_sweep_writes_what_the_report_reads(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(bench, "_environment", lambda: {"gpu": "stub GPU", "commit": "abc1234"})
     monkeypatch.setattr(suite, "copy_bandwidth", lambda: 4e12)
-    monkeypatch.setattr(suite, "baseline_available", lambda name: "not installed here")
+    monkeypatch.setattr(suite, "baseline_available", lambda name, arch=None: "not installed here")
     monkeypatch.setattr(measure, "correctness",
                         lambda p, preset, *a, **kw: (1e-3, 1e-8 if preset == "s32_rs" else 1.0, 1e-7))
 
@@ -246,10 +246,72 @@ def test_same_run_tables_from_the_comparison_json(tmp_path):
     assert "abc1234" in (tmp_path / "B.md").read_text()
 
 
-def test_bench_refuses_a_geometry_of_a_layer_kind_it_cannot_time():
-    """A Kimi Delta Attention geometry is a usage error for ``replayssm bench`` (no kernels yet)."""
-    from replayssm.cli import UsageError
+def test_kda_geometries_are_benchmarked():
+    """``bench --arch kda`` times Kimi Delta Attention at the Kimi-Linear-48B-A3B geometry; a KDA
+    model geometry names its layer kind; ``all`` stays Mamba-2 and GDN."""
+    import argparse
 
-    args = type("A", (), {"arch": "all", "geometry": "kimi-linear-48b"})()
-    with pytest.raises(UsageError, match="kda"):
-        bench.plan(args)
+    def plan(geometry, arch):
+        return bench.plan(argparse.Namespace(geometry=geometry, arch=arch))
+
+    kimi = ("kda", Geometry(32, 128, 128, 32))
+    assert plan(None, "kda") == [kimi] == [GEOMETRIES["kimi-linear-48b"]]
+    assert plan("kimi-linear-48b", "all") == [kimi] == plan("kimi-linear-48b", "kda")
+    assert plan("4,16,32,2", "kda") == [("kda", (4, 16, 32, 2))]
+    assert [a for a, _ in plan(None, "all")] == ["mamba2", "gdn"]
+    with pytest.raises(UsageError, match="geometry"):
+        plan("kimi-linear-48b", "gdn")
+
+
+def test_kda_sweep_and_its_baselines(tmp_path, monkeypatch, capsys):
+    """The sweep's bookkeeping for ``--arch kda`` (GPU measurements replaced by fixed figures):
+    rows at the Kimi-Linear geometry against our conventional kernel, and fla's availability asked
+    for its KDA kernel."""
+    import json
+
+    from replayssm.bench import measure, suite
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "_environment", lambda: {"gpu": "stub GPU", "commit": "abc1234"})
+    monkeypatch.setattr(suite, "copy_bandwidth", lambda: 4e12)
+    monkeypatch.setattr(suite, "baseline_available", lambda name, arch=None: asked.append((name, arch)) or "absent")
+    monkeypatch.setattr(measure, "correctness", lambda p, preset, *a, **kw: (1e-7, 1e-8, 1e-7))
+    monkeypatch.setattr(measure, "bench_one", lambda p, preset, *a, **kw: ((10.0 if preset is None else 5.0, 0.1),
+                                                                             {"replay": 1e6, "conventional": 2e6}))
+    assert main_cli(["bench", "--arch", "kda", "--batch", "8", "--draft", "0", "--presets", "s32_rs",
+                     "--output", str(tmp_path)]) == 0
+    capsys.readouterr()
+    rep = json.loads((tmp_path / "bench.json").read_text())
+    assert ("fla", "kda") in asked and rep["skipped"]["fla"] == "absent"
+    assert {(r["kernel"], r["geometry"], tuple(r["dims"])) for r in rep["rows"]} == {
+        (k, "kimi-linear-48b", (32, 128, 128, 32)) for k in ("ours", "s32_rs")}
+    assert [r["speedup_vs_ours"] for r in rep["rows"] if r["kernel"] == "s32_rs"] == [2.0]
+
+
+def test_kda_conventional_kernel_and_triton_gate_against_float64():
+    """Under the interpreter: the conventional KDA baseline kernel (the state updated in place for
+    a decode, one state per draft for a verify) matches the float64 recurrence, and the
+    correctness gate passes the Triton backend."""
+    from replayssm.bench import measure, suite
+
+    gen = torch.Generator().manual_seed(0)
+    for T in (1, 3):
+        p = Problem("kda", (4, 16, 16, 2), 3, T)
+        inp = suite.make_inputs(p, "cpu", gen, dtype=torch.float32)
+        assert inp["g"].shape == (3, T, 4, 16)
+        state = torch.randn(5, *suite.state_shape(p), generator=gen) * 0.1
+        slots = torch.tensor([4, 0, 2])
+        ref = state[slots].double()
+        inter = torch.empty(5, T, *suite.state_shape(p)) if T > 1 else None
+        y = suite.conventional_call(p, state, slots, inp, {}, inter)
+        states = []
+        for t in range(T):
+            yr, ref = measure.reference_step(p, ref, inp, {}, t)
+            assert (y[:, t].double() - yr).abs().max() <= 1e-5
+            states.append(ref)
+        got = state[slots] if T == 1 else inter[slots, T - 1]
+        assert (got.double() - states[-1]).abs().max() <= 1e-5
+    p = Problem("kda", (2, 16, 16, 1), 2, 1)
+    _, rel, state_err = measure.correctness(p, "s32_rs", "cpu", "triton", steps=6, rounds=2, T=2, window=4)
+    assert rel <= measure.gate_tolerance("s32_rs") and state_err <= 1e-5

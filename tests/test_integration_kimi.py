@@ -126,13 +126,16 @@ def test_kimi_greedy_parity():
         assert (c["refreshes"] >= 4).all() and (c["tokens"] == NEW_TOKENS - 1).all()
 
 
-def test_kimi_backend_is_torch_whatever_the_patch_asks():
-    """KDA has no Triton kernels: a patch given backend='triton' still decodes KDA layers through
-    the PyTorch backend, with the same result."""
+def test_kimi_patch_passes_its_backend_to_the_kda_calls():
+    """The patch's backend reaches ``rs.kda_decode``: backend='triton' on this model's 8-wide heads,
+    which the Triton kernels cannot tile, is refused with the ValueError naming dv (the KDA
+    kernels themselves: test_triton_kda.py); backend='torch' decodes as transformers does."""
     model = model_of()
     ids, mask = _padded_batch()
+    with rst.patch(model, window=WINDOW, backend="triton"), pytest.raises(ValueError, match="dv"):
+        _greedy(model, ids, mask, n=3)
     ref = _greedy(model, ids, mask, n=10)
-    with rst.patch(model, window=WINDOW, backend="triton"):
+    with rst.patch(model, window=WINDOW, backend="torch"):
         out = _greedy(model, ids, mask, n=10)
     assert torch.equal(out.sequences, ref.sequences) and _max_logit_diff(ref, out) <= LOGIT_ATOL
 

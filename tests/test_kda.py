@@ -306,18 +306,18 @@ def test_slots_pending_and_accept():
 
 
 @pytest.mark.parametrize("verify", [False, True])
-def test_triton_backend_refused(verify, monkeypatch):
-    """No KDA Triton kernels yet: naming them, or a CUDA cache picking them by default, raises a
-    ValueError that says to pass backend='torch'; the cache is unchanged."""
+def test_backend_choice_and_triton_geometry(verify, monkeypatch):
+    """backend='triton' on a geometry its kernels cannot tile (dv = 8) raises a ValueError naming
+    dv; an unknown backend names ``backend``; the cache is unchanged after each; backend=None
+    picks Triton for a CUDA cache. (The kernels themselves: test_triton_kda.py.)"""
     layer, cache, _ = _setup()
     slots = torch.tensor([0, 1])
     args = _args(layer, 3, 2, 2 if verify else None)
-    _rejects(cache, lambda: _call(cache, slots, args, verify, backend="triton"),
-             "KDA Triton kernels do not exist yet.*backend='torch'")
+    _rejects(cache, lambda: _call(cache, slots, args, verify, backend="triton"), "dv")
     _rejects(cache, lambda: _call(cache, slots, args, verify, backend="cuda"), "backend")
     monkeypatch.setattr(backend_module, "triton_available", lambda: True)
     monkeypatch.setattr(cache, "device", torch.device("cuda", 0))  # what backend=None sees on a GPU
-    _rejects(cache, lambda: _call(cache, slots, args, verify), "do not exist yet.*backend='torch'")
+    assert backend_module.pick_backend(cache) == "triton"
     monkeypatch.undo()
     _call(cache, slots, args, verify, backend="torch")
 

@@ -30,11 +30,11 @@ def _rows(stdout):
 
 
 def test_step_kernels_assemble_without_spills_and_the_pin_saves_shuffles(tmp_path):
-    """The default decode step kernels of both layers, refresh branch included, fit in registers
+    """The default decode step kernels of every layer kind, refresh branch included, fit in registers
     (no spills); GDN's pinned read-copy load (``launch.SHAPES``: 16 elements per thread) reduces its
     rows in fewer warp shuffles than the same kernel unpinned. Fails if a kernel spills or ignores PIN."""
     rows = _rows(_compile_for_sm90(tmp_path, PTXAS_REPORT, "--presets", "s32_rs"))
-    assert {r[0] for r in rows} == {"mamba2", "gdn"}
+    assert {r[0] for r in rows} == {"mamba2", "gdn", "kda"}
     for arch, preset, shape, kernel, regs, spills, stack, smem, sass, shfl in rows:
         assert 0 < int(regs) <= 255 and spills == "0/0", (arch, regs, spills)
         assert int(sass) > int(shfl) > 0, (arch, sass, shfl)  # the step kernels reduce across lanes
@@ -49,7 +49,7 @@ import sys
 sys.path.insert(0, sys.argv[1])
 import ptxas_report as pr
 
-for arch in ("mamba2", "gdn"):
+for arch in ("mamba2", "gdn", "kda"):
     for kernel, args, kw in pr.record_step(arch, "s32_rs")[:-1]:  # not advance: positional constexprs
         for pdl in ((False, True) if kernel.fn.__name__.endswith("scores_kernel") else (True,)):
             code = pr.compile_sm90(kernel, args, dict(kw, PDL=pdl)).asm["ptx"]
@@ -67,7 +67,7 @@ def test_programmatic_launch_waits_before_any_memory_access(tmp_path):
     assert not launch.programmatic(torch.arange(2))  # never on the CPU
     stdout = _compile_for_sm90(tmp_path, "-c", PDL_SCRIPT, os.path.join(ROOT, "benchmarks"))
     rows = [line.split() for line in stdout.splitlines()]
-    assert len(rows) == 7, rows  # scores (twice) and step kernels of both architectures, GDN's solve
+    assert len(rows) == 10, rows  # scores (twice) and step kernels of every architecture, GDN's solve
     for arch, name, pdl, waits_first, count in rows:
         if pdl == "True":
             assert waits_first == "True" and count == "2", (arch, name)  # the wait and the go-ahead

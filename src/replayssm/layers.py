@@ -5,8 +5,7 @@ A ``Layer`` builds a cache for a ``Geometry``, makes the public call on a dict o
 (every tensor with a draft axis: ``[b, T, ...]``; a decode is T = 1), and runs the float64
 conventional step on the same inputs. Mamba-2 applies ``dt_softplus=True`` with ``dt_bias`` (as
 mamba_ssm and vLLM call it); Gated DeltaNet and Kimi Delta Attention normalize q and k
-(``use_qk_l2norm=True``). Kimi Delta Attention has only the PyTorch backend: its calls always pass
-``backend="torch"``, whatever backend the caller asks for the other kinds.
+(``use_qk_l2norm=True``).
 """
 from __future__ import annotations
 
@@ -79,7 +78,7 @@ class GDNLayer:
 
 class KDALayer:
     """Tokens q, k [b,T,G,N], v [b,T,H,P], g (per-key-channel log decay) [b,T,H,N] and beta
-    [b,T,H]; no constants. Always the PyTorch backend (there are no KDA Triton kernels)."""
+    [b,T,H]; no constants."""
 
     name = "kda"
     token_fields = ("q", "k", "v", "g", "beta")
@@ -91,14 +90,14 @@ class KDALayer:
 
     @staticmethod
     def call(cache, slots, tok: dict, consts: dict, verify: bool, backend=None):
-        """Outputs fp32 [b, T, H, P]. ``backend`` is not used: KDA runs the PyTorch backend."""
+        """Outputs fp32 [b, T, H, P]."""
         from .kda.ops import kda_decode, kda_verify
         if verify:
             return kda_verify(cache, slots, tok["q"], tok["k"], tok["v"], tok["g"], tok["beta"],
-                              use_qk_l2norm=True, backend="torch")
+                              use_qk_l2norm=True, backend=backend)
         t = {k: v[:, 0] for k, v in tok.items()}
         return kda_decode(cache, slots, t["q"], t["k"], t["v"], t["g"], t["beta"], use_qk_l2norm=True,
-                          backend="torch")[:, None]
+                          backend=backend)[:, None]
 
     @staticmethod
     def reference_step(state, tok: dict, consts: dict, t: int):

@@ -1,4 +1,4 @@
-"""Launch plumbing shared by the Mamba-2 and GDN kernels, and the launch policy.
+"""Launch plumbing shared by the Mamba-2, GDN and KDA kernels, and the launch policy.
 
 A step is three launches (GDN: four) with no host synchronization and no PyTorch work in between:
 
@@ -290,6 +290,9 @@ SHAPES = {
     ("gdn", "fp8_e4m3"): ((1, dict(refresh_maxnreg=128)), (4, dict(refresh_maxnreg=128, **_VERIFY_DOT))),
     ("gdn", "nvfp4"): ((1, dict(warps=4)),),
 }
+# KDA's step kernel runs GDN's inner loop (its per-channel decays are applied in the scores launch):
+# GDN's shapes, not swept for KDA on their own
+SHAPES.update({("kda", fmt): entries for (arch, fmt), entries in list(SHAPES.items()) if arch == "gdn"})
 
 #: Overrides of ``step_shape``'s fields for benchmark sweeps ({"rows": 64, "warps": 2, ...});
 #: ``parse_shape`` reads them from a label. Empty in normal use.

@@ -18,7 +18,7 @@ from ..geometry import DEFAULT_MODEL, GEOMETRIES, parse_geometry
 from ..precision import PRESET_NAMES
 from . import Problem
 
-EXTERNAL = {"mamba2": "mamba_ssm", "gdn": "fla"}
+EXTERNAL = {"mamba2": "mamba_ssm", "gdn": "fla", "kda": "fla"}
 BASELINE_NAMES = ("ours", "mamba_ssm", "fla")
 DEFAULT_PRESETS = "s32_rs,tp16_hi32,tp8_hi32,tp4_hi16_sr,f4_sr_rs"
 
@@ -50,10 +50,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                       "no GPU: merge bench JSON files and regenerate BENCHMARKS.md, the README headline table and "
                       "the plots. The default sweep takes about 10 minutes on an H200; a progress bar shows the ETA.")
     ap.formatter_class = argparse.ArgumentDefaultsHelpFormatter
-    ap.add_argument("--arch", choices=["mamba2", "gdn", "all"], default="all", help="layer kinds to time")
+    ap.add_argument("--arch", choices=["mamba2", "gdn", "kda", "all"], default="all",
+                    help="layer kinds to time (all: Mamba-2 and Gated DeltaNet)")
     ap.add_argument("--geometry", default=None, metavar="NAME|H,P,N,G",
                     help=f"one of {', '.join(n for n, g in GEOMETRIES.items() if g.arch)} or H,P,N,G with --arch "
-                         f"mamba2|gdn (default: {DEFAULT_MODEL['mamba2']} and {DEFAULT_MODEL['gdn']})")
+                         f"mamba2|gdn|kda (default: {DEFAULT_MODEL['mamba2']} and {DEFAULT_MODEL['gdn']}; "
+                         f"{DEFAULT_MODEL['kda']} for kda)")
     ap.add_argument("--batch", type=_ints, default=[1, 8, 32, 64, 128, 256, 512], help="batch sizes")
     ap.add_argument("--window", type=_ints, default=[16], help="refresh windows L")
     ap.add_argument("--draft", type=_ints, default=[0, 4], help="0 = standard decode; T > 0 = verify T drafts")
@@ -61,7 +63,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--presets", type=_names(PRESET_NAMES, "preset"), default=DEFAULT_PRESETS.split(","),
                     help=f"comma-separated, from {','.join(PRESET_NAMES)}")
     ap.add_argument("--baselines", type=_names(BASELINE_NAMES, "baseline"), default=list(BASELINE_NAMES),
-                    help="ours = the conventional kernels of this package; mamba_ssm and fla when installed")
+                    help="ours = the conventional kernels of this package; mamba_ssm and fla (fused_recurrent_kda "
+                         "for kda) when installed")
     ap.add_argument("--modes", type=_names(("staggered", "aligned", "refresh"), "mode"), default=["staggered"],
                     help="staggered: slot i at window position i mod L; aligned: every slot refreshes in the same "
                          "step; refresh: every step refreshes every slot")
@@ -89,11 +92,8 @@ def plan(args) -> list[tuple[str, tuple]]:
         raise UsageError(str(exc)) from None
     if arch is None:
         if args.arch == "all":
-            raise UsageError("--geometry H,P,N,G needs --arch mamba2 or --arch gdn")
+            raise UsageError("--geometry H,P,N,G needs --arch mamba2, gdn or kda")
         arch = args.arch
-    if arch not in ("mamba2", "gdn"):
-        raise UsageError(f"--geometry {args.geometry} is a {arch} geometry: replayssm bench times Mamba-2 and GDN "
-                         "(the Kimi Delta Attention kernels are not there yet)")
     return [(arch, geo)]
 
 
@@ -176,7 +176,8 @@ def run(args) -> int:
     command = report._command(argv)
     for b in baselines:
         if b in EXTERNAL.values():
-            why = suite.baseline_available(b)
+            archs = [a for a, _ in todo if EXTERNAL[a] == b]  # fla: its KDA kernel for a kda run
+            why = suite.baseline_available(b, archs[0] if archs else None)
             if why:
                 out["skipped"][b] = why
     total = sum(len(args.window) * len(args.draft) * len(args.batch) * (len(presets) * len(modes) + len(baselines))

@@ -12,7 +12,7 @@ import triton.language as tl
 
 #: Rows of a head per program and warps per program, the fastest measured on an H200 at batch
 #: 256 (94% and 91% of the copy bandwidth); a sweep sets SHAPE["override"] = (rows, warps).
-SHAPE = {"mamba2": (16, 1), "gdn": (8, 1)}
+SHAPE = {"mamba2": (16, 1), "gdn": (8, 1), "kda": (8, 1)}  # KDA: GDN's, not swept on its own
 
 
 @triton.jit
@@ -97,6 +97,52 @@ def gdn_conventional(state, slots, q, k, v, g, beta, inter=None):
     _gdn_conv_kernel[(V // block_rows, HV, b)](
         state, state if inter is None else inter, slots, q, k, v, g, beta, o, HV, HK,
         T=T, DV=V, DK=K, BV=block_rows, SPEC=inter is not None, num_warps=warps)
+    return o
+
+
+@triton.jit
+def _kda_conv_kernel(state_ptr, inter_ptr, slots_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
+                     HV, HK, T: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+                     SPEC: tl.constexpr):
+    """GDN's conventional step with one decay per key channel: the state's columns decay by
+    exp(g) [DK] before the delta-rule write."""
+    pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # row blocks fastest
+    slot = tl.load(slots_ptr + pid_b).to(tl.int64)
+    rv = pid_v * BV + tl.arange(0, BV)
+    ck = tl.arange(0, DK)
+    khead = head // (HV // HK)
+    off = ((slot * HV + head) * DV + rv[:, None]) * DK + ck[None, :]
+    S = tl.load(state_ptr + off)
+    for s in tl.static_range(T):
+        tok = pid_b * T + s
+        q = tl.load(q_ptr + (tok * HK + khead) * DK + ck).to(tl.float32)
+        k = tl.load(k_ptr + (tok * HK + khead) * DK + ck).to(tl.float32)
+        v = tl.load(v_ptr + (tok * HV + head) * DV + rv).to(tl.float32)
+        g = tl.load(g_ptr + (tok * HV + head) * DK + ck).to(tl.float32)
+        beta = tl.load(beta_ptr + tok * HV + head)
+        S = S * tl.exp(g)[None, :]
+        u = beta * (v - tl.sum(S * k[None, :], 1))
+        S = S + u[:, None] * k[None, :]
+        tl.store(o_ptr + (tok * HV + head) * DV + rv, tl.sum(S * q[None, :], 1))
+        if SPEC:
+            tl.store(inter_ptr + ((slot * T + s) * HV + head) * DV * DK + rv[:, None] * DK + ck[None, :], S)
+    if not SPEC:
+        tl.store(state_ptr + off, S)
+
+
+def kda_conventional(state, slots, q, k, v, g, beta, inter=None):
+    """state fp32 [pool, HV, V, K] in place (or one state per draft into ``inter``); q, k
+    [b, T, HK, K] (normalized, q scaled); v [b, T, HV, V]; g [b, T, HV, K] (per-channel log
+    decay); beta fp32 [b, T, HV]. Returns o fp32 [b, T, HV, V]."""
+    b, T, HV, V = v.shape
+    K, HK = state.shape[-1], q.shape[2]
+    o = torch.empty(b, T, HV, V, device=v.device, dtype=torch.float32)
+    block_rows, warps = SHAPE.get("override", SHAPE["kda"])
+    block_rows = min(block_rows, V)
+    _kda_conv_kernel[(V // block_rows, HV, b)](
+        state, state if inter is None else inter, slots, q.contiguous(), k.contiguous(), v.contiguous(),
+        g.contiguous(), beta.contiguous(), o, HV, HK, T=T, DV=V, DK=K, BV=block_rows, SPEC=inter is not None,
+        num_warps=warps)
     return o
 
 

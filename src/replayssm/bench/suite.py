@@ -14,7 +14,7 @@ from ..gdn.ops import l2norm
 from ..geometry import GEOMETRIES as _NAMED
 from ..layers import LAYERS
 from . import Problem  # noqa: F401  (re-exported)
-from .conventional import gdn_conventional, mamba2_conventional
+from .conventional import gdn_conventional, kda_conventional, mamba2_conventional
 
 #: name -> (layer kind, geometry) of the model geometries in ``replayssm.geometry.GEOMETRIES``.
 GEOMETRIES = {name: (g.arch, g.geometry) for name, g in _NAMED.items() if g.arch is not None}
@@ -31,8 +31,9 @@ def make_inputs(p: Problem, device, gen, dtype=torch.bfloat16):
     if p.arch == "mamba2":
         return dict(x=r(b, T, H, P).to(dtype), dt=(u(b, T, H) * 2 - 3.5), B=(r(b, T, G, N) * 0.3).to(dtype),
                     C=(r(b, T, G, N) * 0.3).to(dtype), z=r(b, T, H, P).to(dtype))
+    decays = (b, T, H, N) if p.arch == "kda" else (b, T, H)  # KDA: one per key channel
     return dict(q=r(b, T, G, N).to(dtype), k=r(b, T, G, N).to(dtype), v=r(b, T, H, P).to(dtype),
-                g=torch.log(0.85 + 0.149 * u(b, T, H)), beta=u(b, T, H).to(dtype))
+                g=torch.log(0.85 + 0.149 * u(*decays)), beta=u(b, T, H).to(dtype))
 
 
 def make_params(p: Problem, device, gen):
@@ -56,7 +57,7 @@ def replay_call(p: Problem, cache, slots, inp, prm, verify: bool, backend=None):
 
 
 def state_shape(p: Problem) -> tuple:
-    """Per-sequence state shape [H, P, N] (Mamba-2 [nheads, headdim, dstate], GDN [HV, V, K])."""
+    """Per-sequence state shape [H, P, N] (Mamba-2 [nheads, headdim, dstate], GDN and KDA [HV, V, K])."""
     H, P, N, _ = p.dims
     return (H, P, N)
 
@@ -69,7 +70,8 @@ def conventional_call(p: Problem, state, slots, inp, prm, inter=None):
         return y * torch.nn.functional.silu(inp["z"].float())
     K = p.dims.N
     q, k = l2norm(inp["q"]) * K ** -0.5, l2norm(inp["k"])
-    return gdn_conventional(state, slots, q, k, inp["v"], inp["g"], inp["beta"].float(), inter)
+    kernel = kda_conventional if p.arch == "kda" else gdn_conventional
+    return kernel(state, slots, q, k, inp["v"], inp["g"], inp["beta"].float(), inter)
 
 
 def pool_groups(p: Problem, state_bytes_per_elem: float = 4.0, min_bytes: int = 4 * L2_BYTES) -> int:
@@ -153,11 +155,14 @@ def traffic(p: Problem, cache, window: int, refresh_fraction: float) -> dict:
     return {"conventional": conv, "replay": ours}
 
 
-def baseline_available(name: str) -> str | None:
-    """None if the baseline can run here, else why not."""
+def baseline_available(name: str, arch: str | None = None) -> str | None:
+    """None if the baseline can run here (for layer kind ``arch``: fla's KDA kernel for "kda"),
+    else why not."""
     try:
         if name == "mamba_ssm":
             from mamba_ssm.ops.triton.selective_state_update import selective_state_update  # noqa: F401
+        elif name == "fla" and arch == "kda":
+            from fla.ops.kda import fused_recurrent_kda  # noqa: F401
         elif name == "fla":
             from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule  # noqa: F401
         return None
@@ -177,10 +182,14 @@ def mamba_ssm_call(p: Problem, state, slots, inp, prm):
 
 
 def fla_call(p: Problem, state, start: int, inp, prm):
-    """flash-linear-attention's fused_recurrent_gated_delta_rule on state[start:start+b]
-    ([N, HV, V, K], its fast layout), writing the final state (read + write of the state)."""
-    from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule
-    o, _ = fused_recurrent_gated_delta_rule(
+    """flash-linear-attention's fused_recurrent_gated_delta_rule (for KDA fused_recurrent_kda, g
+    per key channel) on state[start:start+b] ([N, HV, V, K], its fast layout), writing the final
+    state (read + write of the state)."""
+    if p.arch == "kda":
+        from fla.ops.kda import fused_recurrent_kda as kernel
+    else:
+        from fla.ops.gated_delta_rule import fused_recurrent_gated_delta_rule as kernel
+    o, _ = kernel(
         inp["q"], inp["k"], inp["v"], g=inp["g"], beta=inp["beta"],
         initial_state=state[start:start + p.batch], output_final_state=True,
         use_qk_l2norm_in_kernel=True, state_v_first=True)

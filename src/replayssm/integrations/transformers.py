@@ -17,9 +17,7 @@ Supported models (transformers ``>=5.24,<5.25``, the range that is tested):
   (``Qwen3_5GatedDeltaNet`` / ``Qwen3_5MoeGatedDeltaNet`` / ``Qwen3NextGatedDeltaNet``)
   interleaved with full-attention layers.
 - Kimi-Linear (``KimiLinearForCausalLM``): Kimi Delta Attention layers (``KimiLinearDeltaAttention``)
-  interleaved with MLA attention layers. KDA has no Triton kernels: its layers always decode with
-  the PyTorch backend (``backend="torch"`` is passed to ``rs.kda_decode`` / ``rs.kda_verify``,
-  whatever ``backend`` the patch was given for the other layer kinds).
+  interleaved with MLA attention layers.
 
 Attention, MLP and MoE layers always stay with transformers.
 
@@ -600,14 +598,14 @@ class _KDAAdapter(_LayerAdapter):
     def recurrence(self, slots, q, k, v, g, beta, verify):
         """The state-space step on q, k [b, T, H, K] (not normalized), v [b, T, H, V], g fp32
         [b, T, H, K] (per-channel log decay) and beta [b, T, H]: ``rs.kda_decode`` (T = 1) or,
-        verifying, ``rs.kda_verify``; always on the PyTorch backend. Returns o fp32 [b, T, H, V]."""
+        verifying, ``rs.kda_verify``, on the patch's backend. Returns o fp32 [b, T, H, V]."""
         if verify:
             if self.owner.parents is not None:
                 self.check_tree()
-            return kda_verify(self.cache, slots, q, k, v, g, beta, use_qk_l2norm=True, backend="torch")
+            return kda_verify(self.cache, slots, q, k, v, g, beta, use_qk_l2norm=True, backend=self.owner.backend)
         self.dirty = True
         return kda_decode(self.cache, slots, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
-                          use_qk_l2norm=True, backend="torch")[:, None]
+                          use_qk_l2norm=True, backend=self.owner.backend)[:, None]
 
     def run(self, hidden_states, hf_cache, verify):
         m = self.module

@@ -17,8 +17,8 @@ class KDACache(GDNCache):
 
     The geometry, validation and fields are GDN's (``GDNCache``) but for ``g``'s shape; ``accept``,
     ``load_state`` (state [b, HV, V, K]), ``materialize``, ``reset`` and persistence are those of
-    every cache. There are no KDA Triton kernels yet: calls on this cache use the
-    PyTorch backend (``backend="torch"``), on CPU and on CUDA.
+    every cache. Calls on a CUDA cache run the Triton kernels (``kda/triton.py``) unless given
+    ``backend="torch"``.
     """
 
     kind = "kda"

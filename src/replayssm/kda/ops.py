@@ -1,11 +1,11 @@
 """Public Kimi Delta Attention calls: ``kda_decode`` and ``kda_verify``.
 
-public call -> argument checks -> input preparation (L2 norm, scale) -> PyTorch backend.
+public call -> argument checks -> backend: PyTorch (input preparation, L2 norm and scale, here)
+or Triton (``kda/triton.py``, which prepares its inputs inside its first launch).
 
-Only the PyTorch backend exists for KDA: ``backend="triton"``, and ``backend=None`` on a CUDA
-cache (which picks Triton for the other layer kinds), raise ``ValueError`` before anything is
-written. Both calls are inference (``torch.no_grad()``); slot ids (int32 or int64, any strides)
-reach the backend as a contiguous int64 tensor; an empty batch computes nothing.
+``backend=None`` picks Triton for a CUDA cache, as for the other layer kinds. Both calls are
+inference (``torch.no_grad()``); slot ids (int32 or int64, any strides) reach the backend as a
+contiguous int64 tensor; an empty batch computes nothing.
 """
 from __future__ import annotations
 
@@ -18,27 +18,23 @@ from ..step import torch_step
 from . import replay
 
 
-def _check_backend(cache, backend):
-    """The backend this call uses: always "torch" (raises for Triton, named or picked)."""
-    if pick_backend(cache, backend) == "triton":
-        how = "backend='triton' was passed" if backend == "triton" else \
-            f"backend=None picks Triton for a cache on {cache.device}"
-        raise ValueError(f"backend: the KDA Triton kernels do not exist yet ({how}); "
-                         "pass backend='torch'")
-    return "torch"
-
-
 def _check(cache, slots, q, k, v, g, beta, scale, backend, draft: bool):
-    """Validate every argument (GDN's checks, g [..., HV, K]); returns the slots as contiguous int64."""
-    _check_backend(cache, backend)
+    """Validate every argument (GDN's checks, g [..., HV, K]; the backend's name); returns the slots
+    as contiguous int64."""
+    pick_backend(cache, backend)
     return gdn_ops._check(cache, slots, q, k, v, g, beta, scale, draft)
 
 
-def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit):
+def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend):
     if scale is None:
         scale = cache.head_k_dim ** -0.5
-    if slots.shape[0] == 0:  # nothing to compute or store
+    kind = pick_backend(cache, backend)
+    if slots.shape[0] == 0:  # nothing to compute or store; the kernels' grids would be empty
         return torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    if kind == "triton":  # prepares q, k inside its kernels
+        from . import triton as kernels
+        o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+        return kernels.step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, o)
     q, k = (l2norm(q), l2norm(k)) if use_qk_l2norm else (q.float(), k.float())
     q = q * scale
     entries = {"k": k, "v": v, "g": g.float(), "beta": beta.float()}
@@ -51,12 +47,12 @@ def kda_decode(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, 
     """One decode token per slot; refreshes the checkpoint when the window is full.
 
     slots int32/int64 [b] (-1 = pad); q, k [b, HK, K]; v [b, HV, V]; g [b, HV, K] (per-channel
-    log decay <= 0); beta [b, HV]. Inputs fp32/fp16/bf16. ``backend`` None or "torch".
+    log decay <= 0); beta [b, HV]. Inputs fp32/fp16/bf16. ``backend`` None, "torch" or "triton".
     Returns o fp32 [b, HV, V] (zero for pads).
     """
     slots = _check(cache, slots, q, k, v, g, beta, scale, backend, draft=False)
     u = lambda t: t.unsqueeze(1)  # noqa: E731
-    return _step(cache, slots, u(q), u(k), u(v), u(g), u(beta), scale, use_qk_l2norm, True)[:, 0]
+    return _step(cache, slots, u(q), u(k), u(v), u(g), u(beta), scale, use_qk_l2norm, True, backend)[:, 0]
 
 
 @torch.no_grad()
@@ -67,4 +63,4 @@ def kda_verify(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, 
     Returns o fp32 [b, T, HV, V].
     """
     slots = _check(cache, slots, q, k, v, g, beta, scale, backend, draft=True)
-    return _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, False)
+    return _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, False, backend)

@@ -1,0 +1,26 @@
+"""The inverse of a window's unit lower-triangular residual system inside kernels.
+
+The residuals of a delta-rule window solve (I + M) u = r with M strictly lower triangular
+[LP, LP] (LP a power of two). M^LP = 0, so
+
+    (I + M)^{-1} = (I - M)(I + M^2)(I + M^4) ... (I + M^{LP/2}):
+
+log2(LP) products instead of LP dependent substitution steps. The products are IEEE fp32 (FMAs):
+[LP, LP] is too small for tensor cores to pay, and the inverse must be fp32-accurate.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def unit_lower_inverse(M, SQUARINGS: tl.constexpr):
+    """(I + M)^{-1} [LP, LP] fp32 for M [LP, LP] fp32 strictly lower triangular; SQUARINGS =
+    log2(LP) - 1 (the factors (I + M^2) .. (I + M^{LP/2}))."""
+    r = tl.arange(0, M.shape[0])
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    X = eye - M
+    power = M
+    for _ in tl.static_range(SQUARINGS):
+        power = tl.dot(power, power, input_precision="ieee")
+        X = tl.dot(X, eye + power, input_precision="ieee")
+    return X

@@ -1,0 +1,374 @@
+"""Kimi Delta Attention ReplaySSM Triton kernels: output-only decode/verify, GDN's design with a
+decay per key channel (docs/design.md, section 2).
+
+A step is GDN's launches (``_triton/launch.py``):
+
+- ``_kda_scores_kernel``, once per (batch row, key head): the input preparation (L2 norms, query
+  scale, fp32 casts) into kn, qn; then, per value head of the key head, the decay-weighted scalar
+  products of the window's keys with the new tokens (t = h + s)
+
+      scores[b, vh, 0, s, j] = <k_j, q_s>_{j:t} = sum_c k_jc q_sc e^{g(j, t]_c}   (j <= t, else 0)
+      scores[b, vh, 1, s, j] = <k_j, k_s>_{j:t}                                    (j < t, else 0)
+
+  with every segment sum g(j, t]_c = sum_{j < m <= t} g_mc summed directly (a masked 0/1 product,
+  so each is a sum of the segment's own terms, never a difference of prefix sums) and masked
+  before the exponent; and the new keys and queries decayed since the checkpoint,
+  kd_s = e^{G_t} * k_s and qd_s = e^{G_t} * q_s [b, T, HV, K], so that the step kernel reads the
+  read copy with plain matvecs. For a slot due to refresh, per value head and at this launch's one
+  shape for every preset: tinv = (I + M)^{-T} [LP, LP] with M[j, i] = beta_j <k_i, k_j>_{i:j}
+  (i < j < h), the right-hand side's keys rk_j = e^{G_j} * k_j and the fold's keys
+  fk_j = e^{g(j, h)} * k_j [LP, K] (zero past h), and e^{G_h} [K];
+- the refresh, a branch of ``_kda_step_kernel`` or a launch of its own (``_kda_refresh_kernel``,
+  ``StepShape.split``, over the slots due that the scores launch lists, ``window.list_due``), over
+  FOLD_ROWS-row sub-tiles with 3-pass-tf32 products:
+
+      U = beta (V - S_anchor RK^T) (I + M)^{-T},    S_new = S_anchor Diag(e^{G_h}) + U FK,
+
+  everything else element-wise, so no reduction's order depends on the tile and the anchor's bits
+  are the same for every read format; S_new is cast independently into anchor and read copy;
+- ``_kda_step_kernel``: GDN's inner loop, the decays already inside the scores:
+
+      u_s = beta_s (v_s - S_read kd_s - sum_{j < t} scores[1, s, j] u_j)
+      o_s = S_read qd_s + sum_{j <= t} scores[0, s, j] u_j
+
+  reusing the cached read-path residuals u_j of committed entries; the new tokens' v and u rows
+  are stored here;
+- ``launch.advance``: the shared buffer fields k, g [HV, K], beta and the cursors.
+
+The refresh's per-step vectors rk and fk take b * HV * LP * K fp32 each (written and read only for
+slots that refresh).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .._triton import launch
+from .._triton.formats import (
+    column,
+    load_read,
+    load_tile,
+    matvec,
+    pin_vector_width,
+    products_on_tensor_cores,
+    read_copy_from_anchor,
+    streamed_products,
+    write_checkpoint,
+)
+from .._triton.launch import after_previous_launch
+from .._triton.solve import unit_lower_inverse
+from .._triton.window import list_due, slot_cursor, slot_row, step_cursor, window_rows
+from ..gdn.triton import (
+    _token_loads,  # the new tokens' inputs, laid out per value head as GDN's per key head
+)
+
+
+@triton.jit
+def _log_decays(bg_ptr, g_ptr, row, pid_b, h, vhead, HV, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
+                DK: tl.constexpr):
+    """[LP, DK] fp32 per-channel log decays of value head ``vhead``: committed entries j < h from
+    the buffer g [rows, L, HV, K], the T new tokens (h <= j < h + T) from the inputs g
+    [b, T, HV, K], zero elsewhere (T = 0: the committed entries only)."""
+    return window_rows(bg_ptr, g_ptr, row, pid_b, h, vhead, HV, tl.arange(0, DK), DK, T, L, LP)
+
+
+@triton.jit
+def _segments_to(G, t):
+    """[LP, DK] sums of G [LP, DK] over j < m <= t for every entry j and channel: the log decay
+    from entry j to position t, each segment summed directly (0/1 weights, IEEE fp32)."""
+    j = tl.arange(0, G.shape[0])
+    inside = tl.where((j[:, None] < j[None, :]) & (j[None, :] <= t), 1.0, 0.0)
+    return tl.dot(inside, G, input_precision="ieee")
+
+
+@triton.jit
+def _refresh_scalars(bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr, K_c, row, pid_b, vhead, h, HV,
+                     L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, SQUARINGS: tl.constexpr):
+    """For value head ``vhead`` of a slot due to refresh (h committed entries with keys K_c
+    [LP, DK], zero past h): tinv[b, vh] = (I + M)^{-T}, rk[b, vh], fk[b, vh] [LP, DK] and
+    total[b, vh] = e^{G_h} [DK] (module docstring). IEEE fp32 throughout."""
+    j = tl.arange(0, LP)
+    ck = tl.arange(0, DK)
+    old = j < h
+    G_c = _log_decays(bg_ptr, g_ptr, row, pid_b, h, vhead, HV, 0, L, LP, DK)
+    beta_c = tl.load(bbeta_ptr + (row * L + j) * HV + vhead, mask=old, other=0.0)
+    # M[j, i] = beta_j sum_c k_ic k_jc e^{g(i, j]_c}: one row j at a time (the decay is inside the
+    # sum over channels, so the rows are no Gram matrix times decays); row 0 couples to nothing,
+    # rows from h on are zero (beta_c)
+    M = tl.zeros((LP, LP), dtype=tl.float32)
+    for jj in tl.range(1, LP):
+        before = (j < jj)[:, None]
+        E = tl.where(before, tl.exp(tl.where(before, _segments_to(G_c, jj), float("-inf"))), 0.0)
+        k_j = tl.sum(tl.where((j == jj)[:, None], K_c, 0.0), 0)
+        M = tl.where(j[:, None] == jj, tl.sum(K_c * E * k_j[None, :], 1)[None, :], M)
+    X = unit_lower_inverse(beta_c[:, None] * M, SQUARINGS)
+    through = tl.dot(tl.where(j[None, :] <= j[:, None], 1.0, 0.0), G_c, input_precision="ieee")  # [j, c]: G_j
+    after = _segments_to(G_c, h - 1)  # [j, c]: g(j, h)
+    base = (pid_b * HV + vhead) * LP
+    at = (base + j[:, None]) * DK + ck[None, :]
+    tl.store(tinv_ptr + (base + j[None, :]) * LP + j[:, None], X)  # transposed: [i, j] = X[j, i]
+    tl.store(rk_ptr + at, tl.where(old[:, None], tl.exp(through) * K_c, 0.0))
+    tl.store(fk_ptr + at, tl.where(old[:, None], tl.exp(after) * K_c, 0.0))
+    tl.store(total_ptr + (pid_b * HV + vhead) * DK + ck, tl.exp(tl.sum(G_c, 0)))
+
+
+@triton.jit
+def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, bbeta_ptr, k_ptr, q_ptr, g_ptr,
+                       kn_ptr, qn_ptr, kd_ptr, qd_ptr, scores_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr, due_ptr,
+                       scale, SCRATCH, B, HK, HV,
+                       T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, RATIO: tl.constexpr,
+                       SQUARINGS: tl.constexpr, NORM: tl.constexpr, DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr,
+                       PDL: tl.constexpr):
+    """Once per (batch row, key head): the T new keys and queries prepared in fp32 (L2-normalized
+    when NORM, as flash-linear-attention's l2norm; queries times ``scale``) into kn, qn
+    [b, T, HK, K]; the batch row's committed count into ``cursors`` [b]; then per value head of
+    the key head the decay-weighted scores [b, HV, 2, T, LP] and kd, qd [b, T, HV, K], and for a
+    slot due to refresh its scalars (``_refresh_scalars``). DUE_CH > 0: program (0, 0) also lists
+    the slots due for a refresh launch of its own (``window.list_due``)."""
+    after_previous_launch(PDL)
+    pid_b, khead = tl.program_id(0), tl.program_id(1)
+    if DUE_CH > 0:
+        if (pid_b == 0) & (khead == 0):
+            list_due(slots_ptr, committed_ptr, due_ptr, B, T, L, DUE_CH, DUE_PASSES)
+    ck = tl.arange(0, DK)
+    for s in tl.static_range(T):
+        at = ((pid_b * T + s) * HK + khead) * DK + ck
+        k = tl.load(k_ptr + at).to(tl.float32)
+        q = tl.load(q_ptr + at).to(tl.float32)
+        if NORM:
+            k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+            q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
+        tl.store(kn_ptr + at, k)
+        tl.store(qn_ptr + at, q * scale)
+    tl.debug_barrier()  # the rows just written are read back by other threads of the program
+    _, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
+    if khead == 0:
+        tl.store(cursors_ptr + pid_b, h)
+    j = tl.arange(0, LP)
+    if need:  # the refresh's scalars, at this launch's shape for every preset
+        K_c = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :], mask=(j < h)[:, None],
+                      other=0.0).to(tl.float32)
+        for vv in tl.range(0, RATIO):  # a loop, not unrolled: registers
+            _refresh_scalars(bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr, K_c, row, pid_b,
+                             khead * RATIO + vv, h, HV, L, LP, DK, SQUARINGS)
+    h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
+    K = window_rows(bk_ptr, kn_ptr, row, pid_b, h, khead, HK, ck, DK, T, L, LP)
+    for vv in tl.range(0, RATIO):
+        vhead = khead * RATIO + vv
+        G = _log_decays(bg_ptr, g_ptr, row, pid_b, h, vhead, HV, T, L, LP, DK)
+        for s in tl.static_range(T):
+            t = h + s
+            tok = pid_b * T + s
+            q = tl.load(qn_ptr + (tok * HK + khead) * DK + ck)
+            k = tl.load(kn_ptr + (tok * HK + khead) * DK + ck).to(bk_ptr.dtype.element_ty).to(tl.float32)
+            upto = (j <= t)[:, None]
+            KE = K * tl.where(upto, tl.exp(tl.where(upto, _segments_to(G, t), float("-inf"))), 0.0)
+            base = ((pid_b * HV + vhead) * 2 * T + s) * LP
+            tl.store(scores_ptr + base + j, tl.sum(KE * q[None, :], 1))
+            tl.store(scores_ptr + base + T * LP + j, tl.where(j < t, tl.sum(KE * k[None, :], 1), 0.0))
+            decay = tl.exp(tl.sum(tl.where(upto, G, 0.0), 0))  # e^{G_t}: a sum from the checkpoint
+            tl.store(kd_ptr + (tok * HV + vhead) * DK + ck, decay * k)
+            tl.store(qd_ptr + (tok * HV + vhead) * DK + ck, decay * q)
+
+
+@triton.jit
+def _kda_refresh_rows(pid_b, head, row, h, r0, seeds_ptr, tokens_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr,
+                      av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bv_ptr, bbeta_ptr, HV,
+                      L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+                      FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
+                      R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr,
+                      READ_AFTER: tl.constexpr):
+    """Refresh rows r0 .. r0 + BV of value head ``head`` of storage row ``row`` (h committed
+    entries, batch row ``pid_b``), FR rows at a time: the residual solve and fold of the module
+    docstring, then the encode of KC columns at a time."""
+    mat = row * HV + head
+    j = tl.arange(0, LP)
+    old = j < h
+    buf_tok = row * L + j
+    base = (pid_b * HV + head) * LP
+    Tinv = tl.load(tinv_ptr + (base + j[:, None]) * LP + j[None, :])
+    beta_c = tl.load(bbeta_ptr + buf_tok * HV + head, mask=old, other=0.0)
+    seed = tl.load(seeds_ptr + row)
+    tokens = tl.load(tokens_ptr + row)
+    SKC: tl.constexpr = 32 if DK >= 32 else DK
+    for f in tl.static_range(BV // FR):
+        rv = r0 + f * FR + tl.arange(0, FR)
+        gidx = mat * (DV // FR) + (r0 + f * FR) // FR  # NVFP4: FR is the row block, one global scale
+        V_c = tl.load(bv_ptr + (buf_tok[None, :] * HV + head) * DV + rv[:, None], mask=old[None, :],
+                      other=0.0).to(tl.float32)  # [FR, LP]
+        SK = tl.zeros((FR, LP), dtype=tl.float32)  # S_anchor (e^{G_j} * k_j)
+        for c in tl.range(0, DK // SKC, num_stages=STAGES):  # a loop, not unrolled: registers
+            cols = c * SKC + tl.arange(0, SKC)
+            RK = tl.load(rk_ptr + (base + j[:, None]) * DK + cols[None, :])
+            S_part = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT)
+            SK += tl.dot(S_part, tl.trans(RK), input_precision="tf32x3")
+        R = tl.where(old[None, :], beta_c[None, :] * (V_c - SK), 0.0)
+        U = tl.dot(R, Tinv, input_precision="tf32x3")  # residuals u_j
+        for c in tl.range(0, DK // KC, num_stages=STAGES):  # a loop, not unrolled: registers
+            cols = c * KC + tl.arange(0, KC)
+            FK = tl.load(fk_ptr + (base + j[:, None]) * DK + cols[None, :])
+            total = tl.load(total_ptr + (pid_b * HV + head) * DK + cols)
+            S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT) * total[None, :]
+            S += tl.dot(U, FK, input_precision="tf32x3")
+            write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, cols, seed,
+                             tokens, DV, DK, A_FMT, A_SR, R_FMT, R_SR, SHARED or READ_AFTER)
+        if READ_AFTER:
+            read_copy_from_anchor(av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, seed, tokens,
+                                  DV, DK, A_FMT, R_FMT, R_SR)
+
+
+@triton.jit
+def _kda_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr,
+                        av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bv_ptr, bbeta_ptr, due_ptr, HV,
+                        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
+                        FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
+                        R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr,
+                        READ_AFTER: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
+    """The refresh in a launch of its own (``StepShape.split``): program (v, head, c) refreshes FR
+    rows of value head ``head`` of the slots due of ranks c, c + n, ... in the list the scores launch
+    made (``window.list_due``; n programs per tile, ``launch.refresh_grid``)."""
+    after_previous_launch(PDL)
+    pid_v, head, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    count = tl.load(due_ptr)
+    for it in tl.range(0, ROUNDS, num_stages=1):  # a constant trip count: the interpreter needs one
+        r = c + it * tl.num_programs(2)
+        if r < count:
+            pid_b = tl.load(due_ptr + 1 + r)
+            row = tl.load(slots_ptr + pid_b).to(tl.int64)
+            h = tl.load(cursors_ptr + pid_b)
+            _kda_refresh_rows(pid_b, head, row, h, pid_v * FR, seeds_ptr, tokens_ptr, tinv_ptr, rk_ptr, fk_ptr,
+                              total_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bv_ptr, bbeta_ptr, HV, L, LP,
+                              DV, DK, FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
+
+
+@triton.jit
+def _kda_step_kernel(
+        slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr,
+        av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
+        bv_ptr, bbeta_ptr, bu_ptr,
+        qd_ptr, kd_ptr, v_ptr, beta_ptr, scores_ptr, o_ptr,
+        SCRATCH, HV,
+        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
+        DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr,
+        A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
+        SHARED: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr, STREAM: tl.constexpr,
+        PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr,
+        PDL: tl.constexpr):
+    after_previous_launch(PDL)
+    # row blocks vary fastest: programs running side by side stream one slot's contiguous state
+    pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
+    h, need = step_cursor(cursors_ptr, pid_b, valid, T, L)
+    mat = row * HV + head
+    gidx = mat * (DV // BV) + pid_v  # NVFP4 global-scale block of these rows
+    rv = pid_v * BV + tl.arange(0, BV)
+    ck = tl.arange(0, DK)
+    j = tl.arange(0, LP)
+    if REFRESH:
+        if need:  # refresh: re-solve the committed residuals from the anchor, fold, encode
+            _kda_refresh_rows(pid_b, head, row, h, pid_v * BV, seeds_ptr, tokens_ptr, tinv_ptr, rk_ptr, fk_ptr,
+                              total_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bv_ptr, bbeta_ptr, HV, L, LP,
+                              DV, DK, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
+            tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
+    h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
+    # the read copy in its own layout (the anchor itself when shared; with STREAM never whole),
+    # then everything else a program reads, all issued before any arithmetic
+    QLOAD: tl.constexpr = OUTPUT_DOT and not STREAM
+    if STREAM:
+        ra, rb, rsc = 0.0, 0.0, 0.0
+    else:
+        ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
+    U = tl.load(bu_ptr + ((row * L + j[None, :]) * HV + head) * DV + rv[:, None], mask=(j < h)[None, :], other=0.0)
+    Q = 0.0
+    if QLOAD:  # rows: kd_0..kd_{T-1}, qd_0..qd_{T-1}, then zeros
+        r = tl.arange(0, QP)[:, None]
+        at = ((pid_b * T + r % T) * HV + head) * DK + ck[None, :]
+        Q = tl.where(r < T, tl.load(kd_ptr + at, mask=r < 2 * T, other=0.0),
+                     tl.load(qd_ptr + at, mask=r < 2 * T, other=0.0))
+    tokens_in = _token_loads(qd_ptr, kd_ptr, v_ptr, beta_ptr, scores_ptr, bv_ptr, pid_b, head, head, rv, HV, HV, T,
+                             LP, DV, DK, R_FMT, OUTPUT_DOT)
+    if PIN:
+        pin_vector_width(rv_ptr, mat, rv, ck, h < 0, DV, DK, PIN)
+    if OUTPUT_DOT:  # every S_read kd_s and S_read qd_s of the step in one product
+        if STREAM:
+            KB: tl.constexpr = 32 if DK >= 32 else DK  # one fp8 scale block, or the whole row
+            SQ = streamed_products(rv_ptr, rs_ptr, mat, rv, kd_ptr, qd_ptr, pid_b, HV, head, T, 2 * T, DV, DK, R_FMT,
+                                   QP, KB, STREAM)
+        else:
+            SQ = products_on_tensor_cores(ra, rb, rsc, Q, R_FMT)
+    for s in tl.static_range(T):
+        t = h + s
+        tok_in = pid_b * T + s
+        tok_buf = row * L + t
+        v_s, beta_s, k_scores, q_scores, ka, kb, qa, qb = tokens_in[s]
+        # residual u_s = beta_s (v_s - S_{t-1} D_t k_s), with S_{t-1} never formed
+        if OUTPUT_DOT:
+            Sk_read = column(SQ, s)
+        else:
+            Sk_read = matvec(ra, rb, rsc, ka, kb, R_FMT)
+        u_s = beta_s * (v_s.to(tl.float32) - Sk_read - tl.sum(U * k_scores[None, :], 1))
+        U = tl.where(j[None, :] == t, u_s[:, None], U)
+        # output o_s = S_t q_s = S_read qd_s + sum_{j <= t} <k_j, q_s>_{j:t} u_j
+        if OUTPUT_DOT:
+            Sq_read = column(SQ, T + s)
+        else:
+            Sq_read = matvec(ra, rb, rsc, qa, qb, R_FMT)
+        o = Sq_read + tl.sum(U * q_scores[None, :], 1)
+        tl.store(o_ptr + (tok_in * HV + head) * DV + rv, tl.where(valid, o, 0.0).to(o_ptr.dtype.element_ty))
+        tl.store(bv_ptr + (tok_buf * HV + head) * DV + rv, v_s)  # rows only this program reads
+        tl.store(bu_ptr + (tok_buf * HV + head) * DV + rv, u_s)
+
+
+def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: bool, o):
+    """One KDA decode (T = 1) or verify step on the Triton backend.
+
+    q, k [b, T, HK, K] as given to the public call (L2-normalized here when ``normalize``; q
+    times ``scale``); v [b, T, HV, V]; g [b, T, HV, K] (per-channel log decay); beta [b, T, HV];
+    any float dtypes. Writes the outputs into o [b, T, HV, V] (contiguous fp32; pads zero) and
+    returns it. The input preparation happens inside the first launch.
+    """
+    launch.check_geometry(cache)
+    b, T, HV, V = v.shape
+    HK, K = cache.num_k_heads, cache.head_k_dim
+    dev = v.device
+    anchor, read, consts = launch.format_args(cache)
+    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    shape = launch.step_shape(cache, "kda", T, b)
+    buf = cache.buffer
+    LP = launch.window_pad(cache)
+    f32 = torch.float32
+    scores = torch.empty(b, HV, 2, T, LP, dtype=f32, device=dev)
+    kn = torch.empty(q.shape, dtype=f32, device=dev)
+    qn = torch.empty_like(kn)
+    kd = torch.empty(b, T, HV, K, dtype=f32, device=dev)
+    qd = torch.empty_like(kd)
+    tinv = torch.empty(b, HV, LP, LP, dtype=f32, device=dev)
+    rk = torch.empty(b, HV, LP, K, dtype=f32, device=dev)
+    fk = torch.empty_like(rk)
+    total = torch.empty(b, HV, K, dtype=f32, device=dev)
+    cursors = torch.empty(b, dtype=cache.committed.dtype, device=dev)
+    refresh = (tinv, rk, fk, total)
+    due = torch.empty(b + 1 if shape.split else 1, dtype=torch.int32, device=dev)
+    launch.run(_kda_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], buf["g"], buf["beta"], k, q,
+               g, kn, qn, kd, qd, scores, *refresh, due, float(scale), cache.scratch_row, b, HK, HV, T=T,
+               L=cache.window, LP=LP, DK=K, RATIO=HV // HK, SQUARINGS=LP.bit_length() - 2, NORM=normalize,
+               **launch.due_scan(b, shape.split))
+    FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "kda")
+    read_after = launch.read_copy_after_fold(cache)
+    if shape.split:
+        n, rounds = launch.refresh_grid(b, T, cache.window)
+        launch.run(_kda_refresh_kernel, (V // FR, HV, n), slots, cursors, cache.tokens, cache.seeds, *refresh,
+                   *anchor, *read, buf["v"], buf["beta"], due, HV, T=T, L=cache.window, LP=LP, DV=V, DK=K, FR=FR,
+                   KC=KC, STAGES=shape.stages, READ_AFTER=read_after, ROUNDS=rounds, num_warps=shape.refresh_warps,
+                   **consts)
+    extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
+    launch.run(
+        _kda_step_kernel, (V // shape.rows, HV, b),
+        slots, cursors, cache.tokens, cache.seeds, *refresh, *anchor, *read,
+        buf["v"], buf["beta"], buf["u"], qd, kd, v, beta, scores, o, cache.scratch_row, HV,
+        T=T, L=cache.window, LP=LP, DV=V, DK=K, BV=shape.rows, FR=FR, KC=KC, OUTPUT_DOT=shape.output_dot,
+        QP=max(16, triton.next_power_of_2(2 * T)), STREAM=shape.stream, PIN=shape.pin, REFRESH=not shape.split,
+        STAGES=shape.stages, READ_AFTER=read_after, num_warps=shape.warps, **extra, **consts)
+    launch.advance(cache, slots, T, commit, {"k": kn, "g": g, "beta": beta})
+    return o
