@@ -131,15 +131,13 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_p
         tl.store(qn_ptr + at, q)
         keys = keys + (k.to(bk_ptr.dtype.element_ty).to(tl.float32),)  # as a later replay reads it back
         queries = queries + (q,)
+    K = K_old  # the window: committed entries, then the new ones at positions seen + n
+    for n in tl.static_range(T):
+        K = tl.where((j == seen + n)[:, None], keys[n][None, :], K)
     for s in tl.static_range(T):
-        q_sc = tl.sum(K_old * queries[s][None, :], 1)
-        k_sc = tl.sum(K_old * keys[s][None, :], 1)
-        for n in tl.static_range(T):  # new entry n sits at window position seen + n
-            q_sc = tl.where(j == seen + n, tl.sum(keys[n] * queries[s], 0), q_sc)
-            k_sc = tl.where(j == seen + n, tl.sum(keys[n] * keys[s], 0), k_sc)
         at = ((pid_b * HK + khead) * 2 * T + s) * LP
-        tl.store(scores_ptr + at + j, q_sc)
-        tl.store(scores_ptr + at + T * LP + j, k_sc)
+        tl.store(scores_ptr + at + j, tl.sum(K * queries[s][None, :], 1))
+        tl.store(scores_ptr + at + T * LP + j, tl.sum(K * keys[s][None, :], 1))
 
 
 @triton.jit
