@@ -324,24 +324,6 @@ def benchmarks_md(t: Table, sources: list, same_run: str = "") -> str:
             L += ["", "Commits: " + t.commits(lambda r, a=arch, d=draft: r["arch"] == a and r["geometry"] == geo
                                                and r["window"] == 16 and r["draft"] == d) + "."]
 
-    # window modes at batch 256, both layer kinds side by side
-    mode_rows = []
-    geos = {a: DEFAULT_MODEL[a] for a in ("mamba2", "gdn")}
-    for draft in (0, 4):
-        names = [p for p in PRESET_ORDER if any(p in t.presets(a, g, draft, batch=256, mode="aligned")
-                                                for a, g in geos.items())]
-        for p in names:
-            cells = [_f(t.ratio(a, g, p, "ours", 256, draft, mode=m)) for a, g in geos.items()
-                     for m in ("staggered", "aligned", "refresh")]
-            mode_rows.append(["decode" if not draft else f"T={draft}", f"`{p}`", *cells])
-    if mode_rows:
-        L += ["", "## Where the refreshes fall (batch 256, window 16)", "",
-              "× the conventional kernel when slots sit at staggered window positions (1/16 of them refresh "
-              "each step), when every slot refreshes in the same step once per window (aligned), and for the "
-              "refresh step alone (every slot refreshes every step).", ""]
-        L += _md(["step", "preset"] + [f"{TITLE[a]} {m}" for a in geos for m in ("staggered", "aligned", "refresh")],
-                 mode_rows)
-
     # windows, drafts and accept rates, other geometries
     extra = []
     for arch in ("mamba2", "gdn"):
@@ -378,6 +360,7 @@ def benchmarks_md(t: Table, sources: list, same_run: str = "") -> str:
         L += _md(["layer", "geometry", "window", "step", "preset", "µs", "×", "commit"], extra)
 
     # bandwidth, memory and the correctness gate, both layer kinds side by side
+    geos = {a: DEFAULT_MODEL[a] for a in ("mamba2", "gdn")}
     kernels = ["ours", "mamba_ssm", "fla"] + [p for p in PRESET_ORDER if any(
         t.row(a, g, p, 256) for a, g in geos.items())]
     bw = []
@@ -548,6 +531,8 @@ def _outputs(ap):
     ap.add_argument("--latest", default="", metavar="JSON",
                     help="with --peers: figures measured again since that run, beside its own")
     ap.add_argument("--e2e", default="", metavar="JSON", help="benchmarks/e2e_decode.py's JSON: a section of its own")
+    ap.add_argument("--soak", default="", metavar="JSON",
+                    help="benchmarks/soak.py's figures on the GPU ({commit, gpu, command, runs}): a section of its own")
 
 
 def same_run_section(peers_json: str, latest_json: str = "") -> tuple[str, str]:
@@ -580,6 +565,26 @@ def same_run_section(peers_json: str, latest_json: str = "") -> tuple[str, str]:
                    + ", ".join(f"`{r['preset']}` {r['step']} {r['us']:.0f} µs" for r in latest["rows"]
                                if r["arch"] == "gdn") + ".\n")
     return "\n".join(L) + "\n", readme
+
+
+def soak_section(soak_json: str) -> str:
+    """BENCHMARKS.md section from ``benchmarks/soak.py``'s figures on the GPU ({"commit", "gpu",
+    "command", "runs": [figures per run]}): a serving-engine lifecycle against float64."""
+    with open(soak_json) as f:
+        rep = json.load(f)
+    rows = [[r["arch"], f"`{r['preset']}`", str(r.get("batch", "–")), str(r["rounds"]), str(r["requests"]),
+             str(r["tokens"]), str(r["preemptions"]), str(r["forks"]), str(r["restores"]), str(r["nan_requests"]),
+             f"{r['run_rel_err']:.2e}", f"{r['max_state_rel_err']:.2e}", str(r["token_mismatches"])]
+            for r in rep["runs"]]
+    return "\n".join(["## Serving soak on the GPU", "",
+                      f"{rep['gpu']}, commit `{rep['commit']}`, real geometries, the Triton backend: continuous "
+                      "batching with prefill hand-off, preemption and resume, prefix forks, mixed decode and "
+                      "verify rounds with random accept counts, pads, int32 ids, NaN-fed requests and save/restore, "
+                      "every output and state against a float64 per-request recurrence. Rounds stop at 10,000 or "
+                      f"at the time budget. `{rep['command']}`", "",
+                      "\n".join(_md(["layer", "preset", "slots", "rounds", "requests", "tokens", "preemptions",
+                                      "forks", "restores", "NaN-fed", "output rel err", "state rel err",
+                                      "lost/duplicated"], rows))]) + "\n"
 
 
 def e2e_section(e2e_json: str) -> str:
@@ -619,7 +624,7 @@ SAME_RUN_END = "<!-- end of same-run table -->"
 
 
 def generate(sources: list, output: str, markdown: str = "-", readme: str = "-", draw: bool = True,
-             peers_json: str = "", latest_json: str = "", e2e_json: str = "") -> Table:
+             peers_json: str = "", latest_json: str = "", e2e_json: str = "", soak_json: str = "") -> Table:
     """Merge ``sources`` into OUTPUT/bench.json and write BENCHMARKS.md, the README tables, plots."""
     reports = [load(p) for p in sources]
     merged = merge(reports)
@@ -632,12 +637,16 @@ def generate(sources: list, output: str, markdown: str = "-", readme: str = "-",
     section, same_run_readme = same_run_section(peers_json, latest_json) if peers_json else ("", "")
     if e2e_json:
         section += "\n" + e2e_section(e2e_json)
+    if soak_json:
+        section += "\n" + soak_section(soak_json)
     if markdown != "-":
         shown = [re.sub(r"\s", "", s) for s in shown]
         if peers_json:
             shown += ["--peers", peers_json] + (["--latest", latest_json] if latest_json else [])
         if e2e_json:
             shown += ["--e2e", e2e_json]
+        if soak_json:
+            shown += ["--soak", soak_json]
         with open(markdown, "w") as f:
             f.write(benchmarks_md(t, shown, section))
     if readme != "-":
@@ -656,12 +665,13 @@ def generate(sources: list, output: str, markdown: str = "-", readme: str = "-",
 
 def run(args) -> int:
     from ..cli import UsageError
-    peers_json, latest_json, e2e_json = (getattr(args, k, "") for k in ("peers", "latest", "e2e"))
-    for p in args.sources + [x for x in (peers_json, latest_json, e2e_json) if x]:
+    peers_json, latest_json, e2e_json, soak_json = (getattr(args, k, "") for k in ("peers", "latest", "e2e", "soak"))
+    for p in args.sources + [x for x in (peers_json, latest_json, e2e_json, soak_json) if x]:
         if not os.path.exists(p):
             raise UsageError(f"{p}: no such file")
     try:
-        generate(args.sources, args.output, args.markdown, args.readme, args.plots, peers_json, latest_json, e2e_json)
+        generate(args.sources, args.output, args.markdown, args.readme, args.plots, peers_json, latest_json, e2e_json,
+                 soak_json)
     except (ValueError, KeyError, json.JSONDecodeError) as exc:
         raise UsageError(f"cannot build the report: {exc}") from None
     print(f"wrote {os.path.join(args.output, 'bench.json')}"
