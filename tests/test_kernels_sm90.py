@@ -67,7 +67,7 @@ def test_programmatic_launch_waits_before_any_memory_access(tmp_path):
     assert not launch.programmatic(torch.arange(2))  # never on the CPU
     stdout = _compile_for_sm90(tmp_path, "-c", PDL_SCRIPT, os.path.join(ROOT, "benchmarks"))
     rows = [line.split() for line in stdout.splitlines()]
-    assert len(rows) == 10, rows  # scores (twice) and step kernels of every architecture, GDN's solve
+    assert len(rows) == 11, rows  # scores (twice) and step kernels of every architecture, GDN's and KDA's solve
     for arch, name, pdl, waits_first, count in rows:
         if pdl == "True":
             assert waits_first == "True" and count == "2", (arch, name)  # the wait and the go-ahead

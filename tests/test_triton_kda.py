@@ -240,5 +240,5 @@ def test_a_triton_kda_step_is_three_or_four_launches_and_no_pytorch_compute(spli
         launch.LAUNCHER = launch._launch
         launch.TUNING.clear()
     refresh = ["_kda_refresh_kernel"] if split else []
-    assert launches == ["_kda_scores_kernel", *refresh, "_kda_step_kernel", "advance_kernel"]
+    assert launches == ["_kda_scores_kernel", "_kda_solve_kernel", *refresh, "_kda_step_kernel", "advance_kernel"]
     assert ops.names <= {"empty", "empty_like", "select", "unsqueeze", "view", "slice"}, ops.names

@@ -60,6 +60,7 @@ from .._triton.launch import after_previous_launch
 from .._triton.solve import unit_lower_inverse
 from .._triton.window import list_due, slot_cursor, slot_row, step_cursor, window_rows
 from ..gdn.triton import (
+    SOLVE_WARPS,
     _token_loads,  # the new tokens' inputs, laid out per value head as GDN's per key head
 )
 
@@ -114,23 +115,20 @@ def _refresh_scalars(bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr, total_p
 
 
 @triton.jit
-def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, bbeta_ptr, k_ptr, q_ptr, g_ptr,
-                       kn_ptr, qn_ptr, kd_ptr, qd_ptr, scores_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr, due_ptr,
-                       scale, SCRATCH, B, HK, HV,
+def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, k_ptr, q_ptr, g_ptr,
+                       kn_ptr, qn_ptr, kd_ptr, qd_ptr, scores_ptr, due_ptr, scale, SCRATCH, B, HK, HV,
                        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, RATIO: tl.constexpr,
-                       SQUARINGS: tl.constexpr, NORM: tl.constexpr, DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr,
-                       PDL: tl.constexpr):
+                       NORM: tl.constexpr, DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, PDL: tl.constexpr):
     """Once per (batch row, key head): the T new keys and queries prepared in fp32 (L2-normalized
     when NORM, as flash-linear-attention's l2norm; queries times ``scale``) into kn, qn
     [b, T, HK, K]; the batch row's committed count into ``cursors`` [b]; then per value head of
-    the key head the decay-weighted scores [b, HV, 2, T, LP] and kd, qd [b, T, HV, K], and for a
-    slot due to refresh its scalars (``_refresh_scalars``). DUE_CH > 0: program (0, 0) also lists
-    the slots due for a refresh launch of its own (``window.list_due``)."""
+    the key head the decay-weighted scores [b, HV, 2, T, LP] and kd, qd [b, T, HV, K]. Program
+    (0, 0) also lists the slots due to refresh for the solve and refresh launches
+    (``window.list_due``)."""
     after_previous_launch(PDL)
     pid_b, khead = tl.program_id(0), tl.program_id(1)
-    if DUE_CH > 0:
-        if (pid_b == 0) & (khead == 0):
-            list_due(slots_ptr, committed_ptr, due_ptr, B, T, L, DUE_CH, DUE_PASSES)
+    if (pid_b == 0) & (khead == 0):
+        list_due(slots_ptr, committed_ptr, due_ptr, B, T, L, DUE_CH, DUE_PASSES)
     ck = tl.arange(0, DK)
     for s in tl.static_range(T):
         at = ((pid_b * T + s) * HK + khead) * DK + ck
@@ -146,12 +144,6 @@ def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, bb
     if khead == 0:
         tl.store(cursors_ptr + pid_b, h)
     j = tl.arange(0, LP)
-    if need:  # the refresh's scalars, at this launch's shape for every preset
-        K_c = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :], mask=(j < h)[:, None],
-                      other=0.0).to(tl.float32)
-        for vv in tl.range(0, RATIO):  # a loop, not unrolled: registers
-            _refresh_scalars(bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr, K_c, row, pid_b,
-                             khead * RATIO + vv, h, HV, L, LP, DK, SQUARINGS)
     h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
     K = window_rows(bk_ptr, kn_ptr, row, pid_b, h, khead, HK, ck, DK, T, L, LP)
     for vv in tl.range(0, RATIO):
@@ -170,6 +162,33 @@ def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, bb
             decay = tl.exp(tl.sum(tl.where(upto, G, 0.0), 0))  # e^{G_t}: a sum from the checkpoint
             tl.store(kd_ptr + (tok * HV + vhead) * DK + ck, decay * k)
             tl.store(qd_ptr + (tok * HV + vhead) * DK + ck, decay * q)
+
+
+@triton.jit
+def _kda_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr,
+                      total_ptr, HK, HV, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, RATIO: tl.constexpr,
+                      SQUARINGS: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
+    """The refresh's scalars (``_refresh_scalars``) for the slots due only (the scores launch's
+    list, ``window.list_due``): program (key head, c) takes the slots of ranks c, c + n, ... and
+    its key head's value heads. A launch of its own at ``SOLVE_WARPS`` (GDN's) for every preset
+    and batch, as GDN's: in the scores launch its registers would hold every scores program at
+    a fraction of the occupancy."""
+    after_previous_launch(PDL)
+    khead, c = tl.program_id(0), tl.program_id(1)
+    ck = tl.arange(0, DK)
+    j = tl.arange(0, LP)
+    count = tl.load(due_ptr)
+    for it in tl.range(0, ROUNDS, num_stages=1):  # a constant trip count: the interpreter needs one
+        r = c + it * tl.num_programs(1)
+        if r < count:
+            pid_b = tl.load(due_ptr + 1 + r)
+            row = tl.load(slots_ptr + pid_b).to(tl.int64)
+            h = tl.load(cursors_ptr + pid_b)
+            K_c = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :], mask=(j < h)[:, None],
+                          other=0.0).to(tl.float32)
+            for vv in tl.range(0, RATIO):  # a loop, not unrolled: registers
+                _refresh_scalars(bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr, K_c, row, pid_b,
+                                 khead * RATIO + vv, h, HV, L, LP, DK, SQUARINGS)
 
 
 @triton.jit
@@ -349,15 +368,17 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     total = torch.empty(b, HV, K, dtype=f32, device=dev)
     cursors = torch.empty(b, dtype=cache.committed.dtype, device=dev)
     refresh = (tinv, rk, fk, total)
-    due = torch.empty(b + 1 if shape.split else 1, dtype=torch.int32, device=dev)
-    launch.run(_kda_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], buf["g"], buf["beta"], k, q,
-               g, kn, qn, kd, qd, scores, *refresh, due, float(scale), cache.scratch_row, b, HK, HV, T=T,
-               L=cache.window, LP=LP, DK=K, RATIO=HV // HK, SQUARINGS=LP.bit_length() - 2, NORM=normalize,
-               **launch.due_scan(b, shape.split))
+    due = torch.empty(b + 1, dtype=torch.int32, device=dev)
+    launch.run(_kda_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], buf["g"], k, q, g, kn, qn, kd,
+               qd, scores, due, float(scale), cache.scratch_row, b, HK, HV, T=T, L=cache.window, LP=LP, DK=K,
+               RATIO=HV // HK, NORM=normalize, **launch.due_scan(b, True))
+    n, rounds = launch.refresh_grid(b, T, cache.window)
+    launch.run(_kda_solve_kernel, (HK, n), slots, cursors, due, buf["k"], buf["g"], g, buf["beta"], *refresh, HK, HV,
+               L=cache.window, LP=LP, DK=K, RATIO=HV // HK, SQUARINGS=LP.bit_length() - 2, ROUNDS=rounds,
+               num_warps=SOLVE_WARPS)
     FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "kda")
     read_after = launch.read_copy_after_fold(cache)
     if shape.split:
-        n, rounds = launch.refresh_grid(b, T, cache.window)
         launch.run(_kda_refresh_kernel, (V // FR, HV, n), slots, cursors, cache.tokens, cache.seeds, *refresh,
                    *anchor, *read, buf["v"], buf["beta"], due, HV, T=T, L=cache.window, LP=LP, DV=V, DK=K, FR=FR,
                    KC=KC, STAGES=shape.stages, READ_AFTER=read_after, ROUNDS=rounds, num_warps=shape.refresh_warps,
