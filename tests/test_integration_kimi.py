@@ -2,9 +2,10 @@
 decode with ``rs.kda_decode`` / ``rs.kda_verify``, its MLA attention layers stay with transformers.
 
 Greedy parity (batch of 2 with left padding, window 8, 40 new tokens = 4 refreshes per slot), the
-state handed back to transformers mid-sequence, batched speculative generation identical to greedy,
-teeth (an adapter that drops the per-channel decay fails parity), unsupported variants naming the
-attribute. A tiny random-weight config in fp32 on CPU; the oracle is stock transformers (its
+state handed back to transformers mid-sequence, batched speculative generation identical to greedy
+with chain and tree drafters (trees: PyTorch backend, refused on Triton), teeth (an adapter that
+drops the per-channel decay fails parity; tree residuals coupled to siblings leave greedy's
+tokens), unsupported variants naming the attribute. A tiny random-weight config in fp32 on CPU; the oracle is stock transformers (its
 conventional per-token KDA update), never the code under test. Logit tolerance 1e-4 as in
 ``test_integration_transformers``: the fp32 output-only form differs from the stock recurrence by
 association only (measured ~1e-7 here).
@@ -27,6 +28,7 @@ pytest.importorskip("transformers.models.kimi_linear")
 from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
 
 import replayssm.integrations.transformers as rst  # noqa: E402
+from helpers import TreeRowDrafter  # noqa: E402
 from replayssm.integrations.speculative import NGramTreeDrafter, speculative_generate  # noqa: E402
 
 LOGIT_ATOL = 1e-4
@@ -221,13 +223,54 @@ def test_kimi_batched_speculative_matches_greedy():
     assert rst.get_patch(model) is None
 
 
-def test_kimi_tree_drafter_is_refused():
-    """KDA verifies chains only: a tree drafter is refused, naming it, before any verify."""
+def _tree_spec(model, ids, mask, drafter, n, **kw):
+    return speculative_generate(model, ids, attention_mask=mask, drafter=drafter, num_draft=4, max_new_tokens=n,
+                                window=WINDOW, backend="torch", **kw)
+
+
+def test_kimi_tree_speculative_matches_greedy():
+    """Batch of 3 with left padding; each row drafts its own random tree around its greedy
+    continuation (every third call a chain) and accepts 0 .. depth drafts along its own path,
+    across refreshes: every row is greedy's. The n-gram trie drafter gives greedy's tokens too."""
+    model = model_of()
+    ids, mask = _padded_batch(3)
+    ref = _greedy(model, ids, mask, n=30).sequences
+    drafter = TreeRowDrafter(_rows_without_padding(ref, mask), VOCAB, chain_every=3)
+    out, st = _tree_spec(model, ids, mask, drafter, 30)
+    print(f"kimi_linear trees: {st.as_dict()}")
+    assert torch.equal(out, ref.to(out.device))
+    assert st.tree_steps > 0 and 0 in st.accepted_per_step and max(st.accepted_per_step) >= 3
+    ref = _greedy(model, ids, mask, n=16).sequences
+    out, st = _tree_spec(model, ids, mask, NGramTreeDrafter(depth=2, max_candidates=3), 16)
+    assert torch.equal(out, ref.to(out.device)) and st.tree_steps > 0
+    assert rst.get_patch(model) is None
+
+
+def test_kimi_tree_residuals_have_teeth(monkeypatch):
+    """KDA residuals solved over the draft order instead of each node's ancestor chain (siblings
+    coupled) leave greedy's tokens."""
+    from replayssm.kda import replay
+    model = model_of()
+    ids, mask = _padded_batch(3)
+    ref = _greedy(model, ids, mask, n=30).sequences
+    orig = replay._solve
+    monkeypatch.setattr(replay, "_solve", lambda st, k, buf, g, rows, cached_u=None, visible=None:
+                        orig(st, k, buf, g, rows, cached_u))
+    out, _ = _tree_spec(model, ids, mask, TreeRowDrafter(_rows_without_padding(ref, mask), VOCAB, seed=1), 30)
+    assert not torch.equal(out, ref.to(out.device))
+
+
+def test_kimi_tree_drafter_refused_on_triton(monkeypatch):
+    """KDA's Triton backend has no tree kernels (here pretended on the CPU): a tree drafter is
+    refused right after the prefill, naming it, with the layer's own refusal as the reason."""
+    from replayssm import backend, checks
+    monkeypatch.setattr(backend, "triton_available", lambda: True)
     model = model_of()
     ids, mask = _padded_batch(2)
-    with pytest.raises(rst.ReplaySSMUnsupported, match=r"drafter NGramTreeDrafter.*kda_verify takes no draft tree"):
+    with pytest.raises(rst.ReplaySSMUnsupported, match=r"drafter NGramTreeDrafter") as err:
         speculative_generate(model, ids, attention_mask=mask, drafter=NGramTreeDrafter(), num_draft=3,
-                             max_new_tokens=8, window=WINDOW)
+                             max_new_tokens=8, window=WINDOW, backend="triton")
+    assert checks.TREE_BACKEND in str(err.value)
     assert rst.get_patch(model) is None
 
 

@@ -1,4 +1,5 @@
-"""Tree drafts (PyTorch backend): a verify with ``parents`` and an accept of a root path.
+"""Tree drafts (PyTorch backend): a verify with ``parents`` and an accept of a root path, for
+Mamba-2, Gated DeltaNet and Kimi Delta Attention (per-channel decays in (0.2, 0.9999)).
 
 Every output of every tree node is measured against the float64 conventional recurrence run along
 that node's root path (the committed history, then its ancestors, then the node); every accepted
@@ -7,6 +8,8 @@ and the next rounds' outputs are measured against that.
 """
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -14,15 +17,16 @@ import replayssm as rs
 from replayssm import step
 from helpers import S32_TOL, generator, make_layer, snapshot, snapshot_diff
 
-ARCHS = ["mamba2", "gdn"]
+ARCHS = ["mamba2", "gdn", "kda"]
 
 
 def verify(layer, cache, slots, tok, parents, backend=None):
-    """The public tree verify of either layer; outputs fp32 [b, T, ...]."""
+    """The public tree verify of the layer; outputs fp32 [b, T, ...]."""
     if layer.name == "mamba2":
         return rs.mamba2_verify(cache, slots, tok["x"], tok["dt"], layer.A, tok["B"], tok["C"], layer.D,
                                 tok["z"], layer.dt_bias, dt_softplus=True, backend=backend, parents=parents)
-    return rs.gdn_verify(cache, slots, **tok, use_qk_l2norm=True, backend=backend, parents=parents)
+    call = rs.kda_verify if layer.name == "kda" else rs.gdn_verify
+    return call(cache, slots, **tok, use_qk_l2norm=True, backend=backend, parents=parents)
 
 
 def root_path(parents, s):
@@ -196,16 +200,40 @@ def test_a_chain_mask_for_a_tree_is_detected(arch, monkeypatch):
     assert d.max_err > 100 * S32_TOL
 
 
-def test_gdn_residuals_of_the_wrong_chain_are_detected(monkeypatch):
-    """GDN: residuals solved over the draft order (a chain) instead of each node's ancestor chain
-    give wrong outputs even when the decays follow the tree."""
-    from replayssm.gdn import replay
+@pytest.mark.parametrize("arch", ["gdn", "kda"])
+def test_residuals_of_the_wrong_chain_are_detected(arch, monkeypatch):
+    """Residuals solved over the draft order (a chain) instead of each node's ancestor chain give
+    wrong outputs even when the outputs' decays follow the tree."""
+    replay = importlib.import_module(f"replayssm.{arch}.replay")
     orig = replay._solve
 
     def chain_solve(state, k, buf, c, rows, cached_u=None, visible=None):
         return orig(state, k, buf, c, rows, cached_u)
     monkeypatch.setattr(replay, "_solve", chain_solve)
-    d = TreeDriver("gdn")
+    d = TreeDriver(arch)
+    d.round([0, 1, 2, 3], 4, ["flat"] * 4, depth=0)
+    assert d.max_err > 100 * S32_TOL
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("which", ["from_checkpoint", "segments"])
+def test_decays_along_the_draft_order_are_detected(arch, which, monkeypatch):
+    """Decays summed over the draft order (siblings included) instead of each node's ancestor
+    path fail, with the ancestor mask itself kept: the decay from the checkpoint
+    (``step.path_log_decay``) or the segment decays between entries (``step.segment_log_decay``)."""
+    replay = importlib.import_module(f"replayssm.{arch}.replay")
+    if which == "from_checkpoint":
+        orig = step.path_log_decay
+        monkeypatch.setattr(replay, "path_log_decay", lambda la, t, visible=None: orig(la, t))
+    else:
+        orig = step.segment_log_decay
+
+        def chain_segments(la, t, visible=None):
+            seg = orig(la, t)  # summed over every draft before the query
+            return seg if visible is None else torch.where(visible[..., None], seg, float("-inf"))
+        monkeypatch.setattr(replay, "segment_log_decay", chain_segments)
+    d = TreeDriver(arch, window=16)
+    d.round([0, 1, 2, 3], 3, ["chain"] * 4, depth=3)  # a committed history for the segments to span
     d.round([0, 1, 2, 3], 4, ["flat"] * 4, depth=0)
     assert d.max_err > 100 * S32_TOL
 

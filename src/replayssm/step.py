@@ -91,6 +91,21 @@ def tree_visibility(parents, h, L: int):
     return torch.where(both, on_path, causal.expand_as(on_path))
 
 
+def path_log_decay(log_alpha, t, visible=None):
+    """Log decays from the checkpoint, sum_{i <= t_s} log_alpha_i, for query positions ``t``.
+
+    log_alpha [b, L, ...] fp32 (any trailing axes: heads, or heads and key channels); t int64
+    [b, T]. Returns [b, T, ...]. ``visible`` (bool [b, T, L], optional: a draft tree's ancestor
+    mask, as in ``segment_log_decay``) sums over the entries on the query's path instead of the
+    causal prefix, so a draft never decays by its siblings.
+    """
+    if visible is None:
+        idx = t.view(*t.shape, *([1] * (log_alpha.dim() - 2))).expand(-1, -1, *log_alpha.shape[2:])
+        return torch.gather(log_alpha.cumsum(1), 1, idx)
+    vis = visible.view(*visible.shape, *([1] * (log_alpha.dim() - 2)))
+    return torch.where(vis, log_alpha[:, None], 0.0).sum(2)
+
+
 def segment_log_decay(log_alpha, t, visible=None):
     """Log decays sum_{i=j+1..t_s} log_alpha_i for query positions ``t`` and entries ``j``.
 

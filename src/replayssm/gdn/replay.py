@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..step import segment_log_decay
+from ..step import path_log_decay, segment_log_decay
 
 
 def heads_of_groups(t, nheads):
@@ -78,11 +78,8 @@ def outputs(state, buf, h, q, visible=None):
     k = heads_of_groups(buf["k"].float(), HV)
     qh = heads_of_groups(q, HV)
     g = buf["g"]
-    if visible is None:
-        c = g.cumsum(1)
-    else:  # log decay from the checkpoint along each position's own path
-        c = torch.where(visible[..., None], g[:, None], 0.0).sum(2)
     pos = torch.arange(L, device=h.device)
+    c = path_log_decay(g, pos.expand(g.shape[0], L), visible)  # [b, L, HV], along each position's path
     u = _solve(state, k, buf, c, pos[None, :] >= h[:, None], buf["u"].float(), visible)
     t = h[:, None] + torch.arange(T, device=h.device)  # [b, T]
     c_t = torch.gather(c, 1, t[:, :, None].expand(-1, -1, HV))  # [b, T, HV]

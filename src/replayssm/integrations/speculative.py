@@ -60,7 +60,7 @@ raises ``ReplaySSMUnsupported`` naming the drafter, with the layer's own refusal
 A step whose drafts are all chains runs as a chain verify.
 
 Not supported (``ReplaySSMUnsupported``): attention layers with a sliding window (masked positions
-would count towards the window); draft trees on Kimi Delta Attention layers.
+would count towards the window).
 """
 from __future__ import annotations
 

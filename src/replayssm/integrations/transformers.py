@@ -40,7 +40,7 @@ What the patch does, per state-space layer (one ReplaySSM cache per layer, one s
   and the convolution states (the last d_conv inputs of the committed position). With
   ``verifying(parents=...)`` the T tokens are a draft tree: the state-space layers get
   ``parents=``, each convolution reads along the token's ancestors, and ``accept(n, path=...)``
-  commits the root path ``path[:, :n]`` (PyTorch backend; KDA layers verify chains only).
+  commits the root path ``path[:, :n]`` (PyTorch backend).
   ``check_trees()`` raises the layers' own refusal where a cache does not verify trees.
 
 Unsupported things raise ``ReplaySSMUnsupported`` (never a silent fall back to the stock path):
@@ -581,9 +581,6 @@ class _KDAAdapter(_LayerAdapter):
         if getattr(m.o_norm, "activation", "sigmoid") != "sigmoid":
             self._unsupported("o_norm.activation", f"= {m.o_norm.activation!r}; only 'sigmoid' is tested")
 
-    def check_tree(self):
-        raise ValueError("parents: kda_verify takes no draft tree (chains only)")
-
     def _new_cache(self, num_slots, device):
         m, o = self.module, self.owner.options
         return KDACache(num_slots, m.num_heads, m.num_heads, m.head_dim, m.head_dim, device=device, **o)
@@ -600,9 +597,8 @@ class _KDAAdapter(_LayerAdapter):
         [b, T, H, K] (per-channel log decay) and beta [b, T, H]: ``rs.kda_decode`` (T = 1) or,
         verifying, ``rs.kda_verify``, on the patch's backend. Returns o fp32 [b, T, H, V]."""
         if verify:
-            if self.owner.parents is not None:
-                self.check_tree()
-            return kda_verify(self.cache, slots, q, k, v, g, beta, use_qk_l2norm=True, backend=self.owner.backend)
+            return kda_verify(self.cache, slots, q, k, v, g, beta, use_qk_l2norm=True, backend=self.owner.backend,
+                              parents=self.tree_parents())
         self.dirty = True
         return kda_decode(self.cache, slots, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0],
                           use_qk_l2norm=True, backend=self.owner.backend)[:, None]

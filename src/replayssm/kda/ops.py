@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import checks
 from ..backend import pick_backend
 from ..gdn import ops as gdn_ops
 from ..gdn.ops import l2norm
@@ -25,7 +26,9 @@ def _check(cache, slots, q, k, v, g, beta, scale, backend, draft: bool):
     return gdn_ops._check(cache, slots, q, k, v, g, beta, scale, draft)
 
 
-def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend):
+def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend, parents=None):
+    """o fp32 [b, T, HV, V]. ``parents`` int64 [b, T] (validated, PyTorch backend only) for a tree
+    verify."""
     if scale is None:
         scale = cache.head_k_dim ** -0.5
     kind = pick_backend(cache, backend)
@@ -39,7 +42,7 @@ def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend)
     q = q * scale
     entries = {"k": k, "v": v, "g": g.float(), "beta": beta.float()}
     return torch_step(cache, slots, q.shape[1], entries,
-                      lambda state, buf, h: replay.outputs(state, buf, h, q), commit)
+                      lambda state, buf, h, vis=None: replay.outputs(state, buf, h, q, vis), commit, parents)
 
 
 @torch.no_grad()
@@ -56,11 +59,15 @@ def kda_decode(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, 
 
 
 @torch.no_grad()
-def kda_verify(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, backend=None):
+def kda_verify(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, backend=None, parents=None):
     """Verify T drafts per slot, output-only; nothing is committed until ``cache.accept``.
 
     q, k [b, T, HK, K]; v [b, T, HV, V]; g [b, T, HV, K]; beta [b, T, HV].
+    parents int32/int64 [b, T] for a draft tree (None: a chain), as in ``gdn_verify``: each
+    draft's per-channel decays, residual and output are those of its own ancestor chain.
+    PyTorch backend only for now (the Triton backend refuses ``parents``).
     Returns o fp32 [b, T, HV, V].
     """
     slots = _check(cache, slots, q, k, v, g, beta, scale, backend, draft=True)
-    return _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, False, backend)
+    parents = checks.draft_parents(cache, slots, parents, q.shape[1], pick_backend(cache, backend))
+    return _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, False, backend, parents)

@@ -27,13 +27,17 @@ The fold re-solves every committed residual from the anchor (raw k, v, g, beta a
 buffer for that), so a residual computed from a rounded read copy never enters the recurrence.
 Outputs solve only the new tokens' rows against the read copy; committed rows reuse the cached
 read-path residuals (identity rows whose right-hand side is the cached u).
+
+A draft tree (``visible``, ``step.tree_visibility``) is handled as in Gated DeltaNet: G_j and
+every segment sum run along position j's own ancestor path, and row j of the system couples only
+to the entries on that path, so each draft's residual and output are those of its own chain.
 """
 from __future__ import annotations
 
 import torch
 
 from ..gdn.replay import heads_of_groups
-from ..step import segment_log_decay
+from ..step import path_log_decay, segment_log_decay
 
 
 def log_decays(buf):
@@ -41,33 +45,38 @@ def log_decays(buf):
     return buf["g"].float()
 
 
-def channel_segments(g, t):
+def channel_segments(g, t, visible=None):
     """Per-channel segment log decays sum_{j < m <= t_s} g_m for queries ``t`` and entries ``j``.
 
-    g fp32 [b, L, HV, K]; t int64 [b, T]. Returns [b, T, L, HV, K]: 0 at j = t_s, -inf for
-    j > t_s (``step.segment_log_decay`` with every (head, channel) pair as its own head).
+    g fp32 [b, L, HV, K]; t int64 [b, T]; visible bool [b, T, L] (a draft tree's ancestor mask,
+    ``step.segment_log_decay``) or None. Returns [b, T, L, HV, K]: 0 at j = t_s, -inf for
+    j > t_s or off the query's path (``step.segment_log_decay`` with every (head, channel) pair
+    as its own head); a tree's segments sum along the query's path only.
     """
     b, L, HV, K = g.shape
-    return segment_log_decay(g.reshape(b, L, HV * K), t).view(b, t.shape[1], L, HV, K)
+    return segment_log_decay(g.reshape(b, L, HV * K), t, visible).view(b, t.shape[1], L, HV, K)
 
 
-def _solve(state, k, buf, g, solve_rows, cached_u=None):
+def _solve(state, k, buf, g, solve_rows, cached_u=None, visible=None):
     """Residuals u [b, L, HV, V] from checkpoint ``state`` [b, HV, V, K].
 
     k [b, L, HV, K] fp32; g [b, L, HV, K] log decays; solve_rows [b, L] bool: rows solved from
     the equations; the others are identity rows with right-hand side ``cached_u`` (or 0).
+    visible bool [b, L(j), L(i)] (a draft tree's mask, ``step.tree_visibility``): row j decays
+    and couples only along its own path, so each draft's residual is that of its ancestor chain.
     """
     b, L = k.shape[0], k.shape[1]
     beta = buf["beta"]
-    G = g.cumsum(1)  # prefix sums from the checkpoint: no difference is taken of them
+    pos = torch.arange(L, device=k.device)
+    rows_t = pos[None, :].expand(b, L)  # [b, L]: every position as a query
+    # sums from the checkpoint (along each row's path): no difference is taken of them
+    G = path_log_decay(g, rows_t, visible)
     rhs = beta[..., None] * (buf["v"].float()
                              - torch.einsum("bhvk,blhk->blhv", state, torch.exp(G) * k))
     other = torch.zeros_like(rhs) if cached_u is None else cached_u
     rhs = torch.where(solve_rows[:, :, None, None], rhs, other)
-    pos = torch.arange(L, device=k.device)
     j, i = pos[:, None], pos[None, :]
-    rows_t = pos[None, :].expand(b, L)  # [b, L]: every position as a query
-    seg = channel_segments(g, rows_t)  # [b, L(j), L(i), HV, K]
+    seg = channel_segments(g, rows_t, visible)  # [b, L(j), L(i), HV, K], -inf off row j's path
     decay = torch.exp(torch.where((i < j)[None, :, :, None, None], seg, float("-inf")))
     kk = torch.einsum("bjhc,bihc,bjihc->bhji", k, k, decay)
     rows = (solve_rows[:, None, :] * beta.permute(0, 2, 1))[..., None]  # beta_j on solved rows
@@ -93,24 +102,25 @@ def fold(state, buf, count):
     return state * torch.exp(total)[:, :, None, :] + torch.einsum("blhv,blhk->bhvk", u, w * k)
 
 
-def outputs(state, buf, h, q):
+def outputs(state, buf, h, q, visible=None):
     """Outputs of the T queries at positions h .. h+T-1, and the new tokens' residuals.
 
     state fp32 [b, HV, V, K] (the read copy); buf with entries valid below h+T and cached
-    residuals ``u`` below h; h int64 [b]; q fp32 [b, T, HK, K] (normalized and scaled).
+    residuals ``u`` below h; h int64 [b]; q fp32 [b, T, HK, K] (normalized and scaled);
+    visible bool [b, L, L] (``step.tree_visibility``) for a draft tree, None for a chain.
     Returns (o fp32 [b, T, HV, V], {"u": fp32 [b, T, HV, V]}).
     """
     HV, L, T = state.shape[1], buf["g"].shape[1], q.shape[1]
-    K = state.shape[-1]
     k = heads_of_groups(buf["k"].float(), HV)
     qh = heads_of_groups(q, HV)
     g = log_decays(buf)
     pos = torch.arange(L, device=h.device)
-    u = _solve(state, k, buf, g, pos[None, :] >= h[:, None], buf["u"].float())
+    u = _solve(state, k, buf, g, pos[None, :] >= h[:, None], buf["u"].float(), visible)
     t = h[:, None] + torch.arange(T, device=h.device)  # [b, T]
-    G_t = torch.gather(g.cumsum(1), 1, t[:, :, None, None].expand(-1, -1, HV, K))  # [b, T, HV, K]
+    vis_t = None if visible is None else torch.gather(visible, 1, t[:, :, None].expand(-1, -1, L))
+    G_t = path_log_decay(g, t, vis_t)  # [b, T, HV, K], along each query's path
     o = torch.einsum("bhvk,bthk->bthv", state, torch.exp(G_t) * qh)
-    decay = torch.exp(channel_segments(g, t))  # [b, T, L, HV, K], 0 past t
+    decay = torch.exp(channel_segments(g, t, vis_t))  # [b, T, L, HV, K], 0 off the query's path
     scores = torch.einsum("blhc,bthc,btlhc->btlh", k, qh, decay)
     o = o + torch.einsum("btlh,blhv->bthv", scores, u)
     u_new = torch.gather(u, 1, t[:, :, None, None].expand(-1, -1, HV, u.shape[-1]))

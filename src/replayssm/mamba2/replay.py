@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..step import segment_log_decay
+from ..step import path_log_decay, segment_log_decay
 
 
 def heads_of_groups(t, nheads):
@@ -52,11 +52,9 @@ def outputs(state, buf, h, C, D=None, z=None, x_new=None, visible=None):
     H, T = state.shape[1], C.shape[1]
     la = buf["log_alpha"]
     t = h[:, None] + torch.arange(T, device=h.device)  # [b, T] query positions
-    if visible is None:
-        c_t = torch.gather(la.cumsum(1), 1, t[:, :, None].expand(-1, -1, H))  # [b, T, H]
-    else:
-        visible = torch.gather(visible, 1, t[:, :, None].expand(-1, -1, visible.shape[2]))  # [b, T, L]
-        c_t = torch.where(visible[..., None], la[:, None], 0.0).sum(2)  # log decay along the path
+    if visible is not None:  # the queries' rows: [b, T, L]
+        visible = torch.gather(visible, 1, t[:, :, None].expand(-1, -1, visible.shape[2]))
+    c_t = path_log_decay(la, t, visible)  # [b, T, H], along each query's path
     q = heads_of_groups(C.float(), H)  # [b, T, H, N]
     y = torch.exp(c_t)[..., None] * torch.einsum("bhpn,bthn->bthp", state, q)
     decay = torch.exp(segment_log_decay(la, t, visible))  # [b, T, L, H], 0 off the query's path
