@@ -26,7 +26,9 @@ the cached read-path residuals of committed entries:
     u_s = beta_s (v_s - gamma_t S_read k_s - sum_{j < t} gamma_{j+1:t} (k_j . k_s) u_j)
     o_s = gamma_t S_read q_s + sum_{j <= t} gamma_{j+1:t} (k_j . q_s) u_j,   t = h + s
 
-— no per-token [V, K] state anywhere. The new tokens' v and u rows are stored here.
+— no per-token [V, K] state anywhere. The new tokens' v and u rows are stored here. For a draft
+tree the sums over j < t and j <= t run over the committed entries and draft s's ancestors only
+(the scores launch's bitmasks, ``window.ancestor_masks``), so u_s is the residual of its own chain.
 """
 from __future__ import annotations
 

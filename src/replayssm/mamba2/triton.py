@@ -17,7 +17,9 @@ format,
     y_s = gamma_t (S_read C_s) + sum_{j <= t} gamma_{j+1:t} dt_j (B_j . C_s) x_j,   t = h + s
 
 (the output-only form) as fp32 row reductions: the products are matrix-vector, so IEEE fp32
-keeps parity with the float64 reference. The new tokens' x rows are stored here.
+keeps parity with the float64 reference. The new tokens' x rows are stored here. For a draft
+tree the sums over j <= t run over the committed entries and draft s's ancestors only (the scores
+launch's bitmasks, ``window.ancestor_masks``), decays included.
 """
 from __future__ import annotations
 
