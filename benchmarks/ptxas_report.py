@@ -2,7 +2,7 @@
 (sm_90a) on a machine without a GPU: the launches of one step on a CPU cache are recorded instead of
 run, compiled by Triton for the GPU target, and assembled by the ptxas that ships in triton's wheel.
 
-    PYTHONPATH=src python3 benchmarks/ptxas_report.py [--arch mamba2,gdn,kda] [--presets s32_rs,tp8_hi32] [--shapes 32x1,64x4ok3] [--draft 4]
+    PYTHONPATH=src python3 benchmarks/ptxas_report.py [--arch mamba2,gdn,kda] [--presets s32_rs,tp8_hi32] [--shapes 32x1,64x4ok3] [--draft 4] [--tree]
 
 High register counts mean few programs per multiprocessor (65536 registers per SM); spills go to
 local memory. ``sass`` counts the kernel's machine instructions (nvdisasm; the kernels unroll their
@@ -36,21 +36,24 @@ GEOMETRY = {"mamba2": dict(nheads=128, headdim=64, dstate=128, ngroups=8, buffer
             "kda": dict(num_k_heads=32, num_v_heads=32, head_k_dim=128, head_v_dim=128, buffer_dtype=torch.bfloat16)}
 
 
-def record_step(arch: str, preset: str, T: int = 1):
-    """The (kernel, args, kwargs) of one decode (T = 1) or verify step, recorded, not run."""
+def record_step(arch: str, preset: str, T: int = 1, tree: bool = False):
+    """The (kernel, args, kwargs) of one decode (T = 1) or verify step, recorded, not run; with
+    ``tree``, a verify of a draft tree (every draft a child of the root's first child)."""
     calls = []
     launch.LAUNCHER = lambda kernel, grid, args, kwargs: calls.append((kernel, args, kwargs))
     try:
         g = torch.Generator().manual_seed(0)
         r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
         b, slots = 2, torch.arange(2)
+        parents = dict(parents=torch.tensor([[-1] + [0] * (T - 1)] * b)) if tree else {}
         if arch == "mamba2":
             c = rs.Mamba2Cache(2, window=16, max_draft=4, precision=preset, **GEOMETRY[arch])
             H, P, N, G = c.nheads, c.dv, c.dk, c.ngroups
             args = (r(b, T, H, P), r(b, T, H), -torch.rand(H), r(b, T, G, N), r(b, T, G, N), r(H), r(b, T, H, P),
                     torch.zeros(H), True)
             (rs.mamba2_verify if T > 1 else rs.mamba2_decode)(
-                c, slots, *(a[:, 0] if T == 1 and a.dim() > 1 else a for a in args[:-1]), args[-1], backend="triton")
+                c, slots, *(a[:, 0] if T == 1 and a.dim() > 1 else a for a in args[:-1]), args[-1], backend="triton",
+                **parents)
         else:
             cache_type, decode, verify = {"gdn": (rs.GDNCache, rs.gdn_decode, rs.gdn_verify),
                                           "kda": (rs.KDACache, rs.kda_decode, rs.kda_verify)}[arch]
@@ -59,7 +62,7 @@ def record_step(arch: str, preset: str, T: int = 1):
             decay = (b, T, HV, K) if arch == "kda" else (b, T, HV)  # KDA: one per key channel
             args = (r(b, T, HK, K), r(b, T, HK, K), r(b, T, HV, V), -torch.rand(*decay), torch.rand(b, T, HV))
             (verify if T > 1 else decode)(
-                c, slots, *(a[:, 0] if T == 1 else a for a in args), use_qk_l2norm=True, backend="triton")
+                c, slots, *(a[:, 0] if T == 1 else a for a in args), use_qk_l2norm=True, backend="triton", **parents)
     finally:
         launch.LAUNCHER = launch._launch
     return calls
@@ -136,6 +139,7 @@ def main(argv=None):
     ap.add_argument("--shapes", default="default",
                     help="default, or labels as launch.parse_shape reads them, e.g. 32x1,64x4ok3")
     ap.add_argument("--draft", type=int, default=1, help="tokens per step (1 = decode)")
+    ap.add_argument("--tree", action="store_true", help="a verify of a draft tree (mamba2, gdn; --draft > 1)")
     ap.add_argument("--instructions", metavar="DIR",
                     help="instead: write each step and refresh kernel's PTX instructions (``instructions``) to "
                          "DIR/<arch>_<preset>_T<draft>_<kernel>.txt, to diff against another source tree's")
@@ -158,7 +162,7 @@ def main(argv=None):
                 launch.TUNING.update(extra)
                 if shape != "default":
                     launch.TUNING.update(launch.parse_shape(shape))
-                for kernel, a, kw in record_step(arch, preset, args.draft):
+                for kernel, a, kw in record_step(arch, preset, args.draft, args.tree):
                     if not any(part in kernel.fn.__name__ for part in ("step", "refresh", "scores", "solve")):
                         continue
                     if args.instructions:

@@ -50,8 +50,9 @@ def random_parents(g, T, kind):
 class TreeDriver:
     """Drive a cache with tree verifies and path accepts; keep the float64 committed states."""
 
-    def __init__(self, arch, num_slots=4, window=8, max_draft=5, seed=0):
-        self.layer = make_layer(arch, seed)
+    def __init__(self, arch, num_slots=4, window=8, max_draft=5, seed=0, backend=None, geometry=None):
+        self.layer = make_layer(arch, seed, **(geometry or {}))
+        self.backend = backend  # of the verifies and accepts
         self.cache = self.layer.cache(num_slots, window=window, max_draft=max_draft)
         self.g = generator(seed + 1)
         slots = torch.arange(num_slots)
@@ -74,7 +75,7 @@ class TreeDriver:
         tok = self.layer.tokens(self.g, b, T)
         par = [random_parents(self.g, T, k) for k in kinds]
         parents = torch.tensor(par, dtype=torch.int64)
-        y = verify(self.layer, self.cache, torch.tensor(slots), tok, parents)
+        y = verify(self.layer, self.cache, torch.tensor(slots), tok, parents, self.backend)
         err = 0.0
         for i, s in enumerate(slots):
             if s < 0:
@@ -101,7 +102,7 @@ class TreeDriver:
             if s >= 0 and n:
                 _, self.ref[s] = self.layer.reference(self.ref[s], self.take(tok, i, path[:n]))
                 self.h[s] += n
-        self.cache.accept(torch.tensor(slots), torch.tensor(counts), paths)
+        self.cache.accept(torch.tensor(slots), torch.tensor(counts), paths, backend=self.backend)
         real = [s for s in slots if s >= 0]
         got = self.cache.counters(torch.tensor(real))
         assert got["committed"].tolist() == [self.h[s] for s in real]
@@ -271,8 +272,6 @@ def test_bad_parents_are_refused(arch):
                 torch.tensor([[-1, 0, 2], [-1, -1, 1]]), torch.tensor([[0, 0, 0], [-1, -1, 1]]),
                 torch.tensor([[-1, 0, 0], [-2, -1, 1]])):
         _rejects(c, lambda bad=bad: verify(d.layer, c, slots, tok, bad), "parents")
-    _rejects(c, lambda: verify(d.layer, c, slots, tok, good, backend="triton"),
-             r"parents: tree drafts run on backend='torch' only for now")
     # pads may carry any parents
     verify(d.layer, c, torch.tensor([0, -1]), tok, torch.tensor([[-1, 0, 0], [5, 7, 9]]))
 
@@ -303,15 +302,15 @@ def test_bad_paths_are_refused(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_paths_after_a_chain_verify_and_on_triton(arch):
     """After a chain verify a path 0, 1, 2 is accepted and any other path refused; the Triton
-    accept takes a path that moves nothing and refuses one that moves entries."""
+    accept takes a path that moves entries (its moves: test_triton_trees.py)."""
     d = TreeDriver(arch)
     c, slots = d.cache, torch.tensor([0, 1])
     d.layer.run(c, slots, d.layer.tokens(d.g, 2, 3), True)
     _rejects(c, lambda: c.accept(slots, torch.tensor([1, 1]), torch.tensor([[1, 0, 0], [0, 1, 2]])), "path")
     c.accept(slots, torch.tensor([3, 1]), torch.tensor([[0, 1, 2], [0, 5, 5]]))
     verify(d.layer, c, slots, d.layer.tokens(d.g, 2, 3), torch.tensor([[-1, -1, 1]] * 2))
-    _rejects(c, lambda: c.accept(slots, torch.tensor([1, 0]), torch.tensor([[1, 0, 0]] * 2),
-                                 backend="triton"), "backend='torch'")
+    c.accept(slots, torch.tensor([1, 0]), torch.tensor([[1, 0, 0]] * 2), backend="triton")
+    assert c.counters(slots)["committed"].tolist() == [4, 1]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

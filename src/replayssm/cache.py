@@ -294,27 +294,19 @@ class ReplayCache:
         of the last committed token and each next one a child of the previous. Their buffer
         entries (every field, cached residuals included) are copied into committed order, h ..
         h + n - 1; no state is copied. Rejected drafts stay in the buffer beyond the committed
-        pointer and are overwritten later. ``backend`` as in the decode calls: Triton (one
-        launch) by default for CUDA caches; a path that is not 0, 1, 2, ... needs 'torch'.
+        pointer and are overwritten later. ``backend`` as in the decode calls: Triton by default
+        for CUDA caches (one launch; with a path, one more before it that moves the entries).
         """
         slots = checks.slot_ids(self, slots)
         num_accepted = checks.accepted_counts(self, slots, num_accepted)
         path = checks.accepted_path(self, slots, num_accepted, path)
         kind = pick_backend(self, backend)
         rows, valid = self.rows_of(slots)
-        if path is not None:
-            cols = torch.arange(path.shape[1], device=self.device)
-            n = torch.where(valid, num_accepted, 0)
-            moved = (cols[None, :] < n[:, None]) & (path != cols[None, :])
-            if kind == "triton":  # no tree kernels yet: only a path that moves nothing
-                if not checks.values_checked(self) or bool(moved.any()):
-                    raise ValueError("path: accepting a draft tree's path runs on backend='torch' only "
-                                     "for now (with value checks on, a path 0, 1, 2, ... is accepted)")
-            else:
-                self._compact(rows, n, path)
-        if kind == "triton":  # one launch, draft_gaps included
+        if path is not None and kind != "triton":
+            self._compact(rows, torch.where(valid, num_accepted, 0), path)
+        if kind == "triton":  # the entries moved, then one launch for the cursors, draft_gaps included
             from ._triton import launch
-            launch.accept(self, slots, num_accepted)
+            launch.accept(self, slots, num_accepted, path)
         else:
             n = torch.minimum(num_accepted.clamp(min=0), self.pending[rows].long()).to(torch.int32)
             n = torch.where(valid, n, 0)

@@ -125,18 +125,21 @@ def output_spec(out, out_dtype, shape: tuple, device: torch.device) -> torch.dty
     return out.dtype
 
 
-TREE_BACKEND = "parents: tree drafts run on backend='torch' only for now"
+#: Most drafts of a tree verify on the Triton backend: a draft's ancestors are one int32 bitmask.
+TRITON_TREE_MAX = 32
 
 
 def draft_parents(cache, slots, parents, T: int, backend_kind: str):
     """``parents``: int32/int64 [b, T] (or None, a chain), -1 <= parents[i, s] < s on real rows:
-    the draft that draft s follows, -1 the last committed token. Returns int64 [b, T] or None."""
+    the draft that draft s follows, -1 the last committed token. Returns int64 [b, T] (PyTorch
+    backend: pads and unchecked values clamped into a tree), the contiguous tensor as given
+    (Triton: its kernels clamp, so a step stays free of PyTorch work), or None."""
     if parents is None:
         return None
     check_tensor("parents", parents, (slots.shape[0], T), cache.device, INT_DTYPES)
-    if backend_kind != "torch":
-        raise ValueError(TREE_BACKEND)
-    parents = parents.to(torch.int64).contiguous()
+    if backend_kind == "triton" and T > TRITON_TREE_MAX:
+        raise ValueError(f"parents: backend='triton' verifies trees of at most {TRITON_TREE_MAX} drafts, got {T}")
+    parents = parents.contiguous() if backend_kind == "triton" else parents.to(torch.int64).contiguous()
     if values_checked(cache) and slots.numel():
         s = torch.arange(T, device=parents.device)
         bad = (slots >= 0)[:, None] & ((parents < -1) | (parents >= s))
@@ -144,6 +147,8 @@ def draft_parents(cache, slots, parents, T: int, backend_kind: str):
             i, j = (int(v) for v in bad.nonzero()[0])
             raise ValueError(f"parents[{i}, {j}] = {int(parents[i, j])} must be in [-1, {j}) "
                              f"(a draft follows an earlier draft or the last committed token)")
+    if backend_kind == "triton":
+        return parents
     # pads (and values left unchecked) never index outside the tree: pads become a chain
     s = torch.arange(T, device=parents.device)
     parents = torch.where((slots >= 0)[:, None], torch.minimum(parents, s - 1).clamp(min=-1), s - 1)

@@ -22,3 +22,12 @@ def softplus(x):
     e = tl.exp(tl.minimum(x, 20.0))
     u = 1.0 + e
     return tl.where(x > 20.0, x, tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0))))
+
+
+@triton.jit
+def segment_along(la, seen):
+    """[LP] sums of la over the entries k > j that a query sees (``seen`` [LP] bool, a draft's
+    path), for every j: the decay from entry j to the query along its path. For a chain (seen =
+    k <= t) the same masked sum as ``segment_to``."""
+    k = tl.arange(0, la.shape[0])
+    return tl.sum(tl.where((k[None, :] > k[:, None]) & seen[None, :], la[None, :], 0.0), 1)

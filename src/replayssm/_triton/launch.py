@@ -116,14 +116,82 @@ def accept_kernel(slots_ptr, accepted_ptr, committed_ptr, pending_ptr, tokens_pt
     tl.store(gaps_ptr + slot[:, None] * MAXD + d, tl.zeros((BLOCK, MAXDP), tl.int32), mask=real[:, None] & (d < MAXD))
 
 
+@triton.jit
+def _move_entries(buf_ptr, row, h, src, moved, c, W: tl.constexpr, WP: tl.constexpr, L: tl.constexpr,
+                  F: tl.constexpr, CH: tl.constexpr):
+    """Elements c CH .. (c + 1) CH of the per-token entries of one buffer field [rows, L, F]: copy
+    entry ``src`` [WP] to h + n for the columns n that are ``moved``. Every source is loaded before
+    any destination is stored (a source may be another column's destination)."""
+    if c * CH < F:
+        n = tl.arange(0, WP)[:, None]
+        e = c * CH + tl.arange(0, CH)[None, :]
+        m = moved[:, None] & (e < F)
+        vals = tl.load(buf_ptr + (row * L + src[:, None]) * F + e, mask=m)
+        tl.debug_barrier()  # the loads of every thread before any store
+        tl.store(buf_ptr + (row * L + h + n) * F + e, vals, mask=m)
+
+
+@triton.jit
+def compact_kernel(slots_ptr, accepted_ptr, committed_ptr, pending_ptr, path_ptr, f0, f1, f2, f3, f4, f5,
+                   W: tl.constexpr, WP: tl.constexpr, L: tl.constexpr, F0: tl.constexpr, F1: tl.constexpr,
+                   F2: tl.constexpr, F3: tl.constexpr, F4: tl.constexpr, F5: tl.constexpr, CH: tl.constexpr,
+                   PDL: tl.constexpr):
+    """The first half of ``cache.accept`` with a path (int [b, W]), before ``accept_kernel``:
+    program (batch row, c) copies elements c CH .. (c + 1) CH of every buffer field's entries
+    (f0 .. f5 [rows, L, F_i], F_i = 0: no field) of the accepted drafts, window positions h +
+    path[n] -> h + n for n < the accepted count clamped to [0, pending] and to W, the columns with
+    path[n] = n left alone. Path entries are clamped to the pending drafts, so unchecked values
+    never reach outside the slot's window. Pads are skipped."""
+    after_previous_launch(PDL)
+    pid_b, c = tl.program_id(0), tl.program_id(1)
+    slot = tl.load(slots_ptr + pid_b)
+    if slot >= 0:
+        row = slot.to(tl.int64)
+        h = tl.load(committed_ptr + row)
+        pending = tl.load(pending_ptr + row)
+        count = tl.minimum(tl.maximum(tl.load(accepted_ptr + pid_b), 0), pending)
+        n = tl.arange(0, WP)
+        p = tl.load(path_ptr + pid_b * W + n, mask=n < W, other=0).to(tl.int32)
+        p = tl.minimum(tl.maximum(p, 0), tl.maximum(pending - 1, 0))
+        moved = (n < W) & (n < count) & (p != n)
+        src = h + p
+        _move_entries(f0, row, h, src, moved, c, W, WP, L, F0, CH)
+        if F1 > 0:
+            _move_entries(f1, row, h, src, moved, c, W, WP, L, F1, CH)
+        if F2 > 0:
+            _move_entries(f2, row, h, src, moved, c, W, WP, L, F2, CH)
+        if F3 > 0:
+            _move_entries(f3, row, h, src, moved, c, W, WP, L, F3, CH)
+        if F4 > 0:
+            _move_entries(f4, row, h, src, moved, c, W, WP, L, F4, CH)
+        if F5 > 0:
+            _move_entries(f5, row, h, src, moved, c, W, WP, L, F5, CH)
+
+
 #: Batch rows per program of ``accept_kernel``.
 ACCEPT_BLOCK = 128
 
+#: Elements of a buffer entry per program of ``compact_kernel``; at most this many fields.
+COMPACT_CHUNK = 1024
+COMPACT_FIELDS = 6
 
-def accept(cache, slots, num_accepted):
+
+def accept(cache, slots, num_accepted, path=None):
     """Launch ``accept_kernel`` (a verify round's commit): one launch where the PyTorch form is
-    about twenty small ones. Arguments already validated by ``cache.accept``."""
+    about twenty small ones; with a ``path`` (int [b, W]), ``compact_kernel`` before it. Arguments
+    already validated by ``cache.accept``."""
     b = slots.shape[0]
+    if b and path is not None:
+        fields = list(cache.buffer.values())
+        if len(fields) > COMPACT_FIELDS:
+            raise ValueError(f"accept with a path moves at most {COMPACT_FIELDS} buffer fields, got {len(fields)}")
+        sizes = [f[0, 0].numel() for f in fields]
+        chunk = min(COMPACT_CHUNK, triton.next_power_of_2(max(sizes)))
+        pad = COMPACT_FIELDS - len(fields)
+        W = path.shape[1]
+        run(compact_kernel, (b, triton.cdiv(max(sizes), chunk)), slots, num_accepted, cache.committed,
+            cache.pending, path.contiguous(), *fields, *[fields[0]] * pad, W=W, WP=triton.next_power_of_2(W),
+            L=cache.window, **{f"F{i}": v for i, v in enumerate(sizes + [0] * pad)}, CH=chunk)
     if b:
         run(accept_kernel, (triton.cdiv(b, ACCEPT_BLOCK),), slots, num_accepted, cache.committed, cache.pending,
             cache.tokens, cache.draft_gaps, b, BLOCK=ACCEPT_BLOCK, MAXD=cache.max_draft,

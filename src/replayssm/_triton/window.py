@@ -83,3 +83,48 @@ def window_scalars(buf_ptr, in_ptr, row, pid_b, h, head, NH, T: tl.constexpr, L:
     a = tl.load(buf_ptr + (row * L + j) * NH + head, mask=j < h, other=0.0)
     b = tl.load(in_ptr + (pid_b * T + j - h) * NH + head, mask=(j >= h) & (j < h + T), other=0.0)
     return a.to(tl.float32) + b.to(tl.float32)
+
+
+@triton.jit
+def ancestor_masks(parents_ptr, anc_ptr, gaps_ptr, pid_b, valid, row, T: tl.constexpr, MAXD: tl.constexpr):
+    """Store the draft tree of batch row ``pid_b`` as bitmasks: anc[pid_b, s] (int32 [b, T]) has
+    bit n set when draft n is draft s or one of its ancestors (T <= 32); and for a real slot its
+    pending tree as ``cache.draft_gaps`` (int32 [rows, MAXD]: s - 1 - parent) against which accept
+    checks a path. parents [b, T] int32 or int64, -1 the last committed token; values outside
+    [-1, s) (unchecked inputs) are clamped into it and a pad row is a chain, so no mask ever names
+    a later draft."""
+    n = tl.arange(0, 32)  # a bit per draft
+    anc = tl.zeros((32,), tl.int32)
+    for s in tl.static_range(T):
+        p = tl.load(parents_ptr + pid_b * T + s).to(tl.int32)
+        p = tl.where(valid, tl.minimum(tl.maximum(p, -1), s - 1), s - 1)
+        above = tl.sum(tl.where(n == p, anc, 0), 0)  # 0 for a child of the last committed token
+        anc = tl.where(n == s, above | (tl.full((), 1, tl.int32) << s), anc)
+        tl.store(gaps_ptr + row * MAXD + s, s - 1 - p, mask=valid)
+    tl.store(anc_ptr + pid_b * T + n, anc, mask=n < T)
+
+
+@triton.jit
+def ancestor_loads(anc_ptr, pid_b, T: tl.constexpr, TREE: tl.constexpr):
+    """The T ancestor bitmasks of batch row ``pid_b`` (``ancestor_masks``) as a tuple indexed by
+    draft, issued together; zeros, never read, for a chain (not TREE)."""
+    out = ()
+    for s in tl.static_range(T):
+        anc = 0
+        if TREE:
+            anc = tl.load(anc_ptr + pid_b * T + s)
+        out = out + (anc,)
+    return out
+
+
+@triton.jit
+def draft_view(anc, h, s: tl.constexpr, LP: tl.constexpr, TREE: tl.constexpr):
+    """[LP] bool: the window positions that draft s (at h + s) sees, the committed entries j < h
+    and, among the drafts at h + n, its ancestors and itself (``anc``: bit n, ``ancestor_masks``);
+    every draft n <= s for a chain (not TREE), i.e. j <= h + s."""
+    j = tl.arange(0, LP)
+    rel = j - h
+    on = (rel >= 0) & (rel <= s)
+    if TREE:
+        on = on & (((anc >> tl.where(on, rel, 0)) & 1) != 0)
+    return (j < h) | on

@@ -68,8 +68,8 @@ def gates(gate_a, gate_b, A_log, dt_bias=None):
 def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend, out, out_dtype, gate=None,
           parents=None):
     """o [b, T, HV, V] of ``out_dtype``, written into ``out`` ([b, T, HV, V] view) when given.
-    ``gate``: the raw gate inputs instead of g and beta. ``parents`` int64 [b, T] (validated,
-    PyTorch backend only) for a tree verify."""
+    ``gate``: the raw gate inputs instead of g and beta. ``parents`` [b, T] (validated by
+    ``checks.draft_parents``) for a tree verify."""
     if scale is None:
         scale = cache.head_k_dim ** -0.5
     kind = pick_backend(cache, backend)
@@ -78,7 +78,7 @@ def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend,
     if kind == "triton":  # prepares q, k, g, beta inside its kernels
         from . import triton as kernels
         o = out if out is not None and out.is_contiguous() else torch.empty(v.shape, dtype=out_dtype, device=v.device)
-        kernels.step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, o, gate)  # gates in-kernel
+        kernels.step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, o, gate, parents)
         return o if out is None or o is out else out.copy_(o)
     q, k = (l2norm(q), l2norm(k)) if use_qk_l2norm else (q.float(), k.float())
     q = q * scale
@@ -118,7 +118,7 @@ def gdn_verify(cache, slots, q, k, v, g=None, beta=None, scale=None, use_qk_l2no
 
     q, k [b, T, HK, K]; v [b, T, HV, V]; g, beta (or a, b) [b, T, HV]; A_log, dt_bias [HV].
     parents int32/int64 [b, T] for a draft tree (None: a chain), as in ``mamba2_verify``: each
-    draft's residual and output are those of its own ancestor chain. PyTorch backend only for now.
+    draft's residual and output are those of its own ancestor chain (Triton: at most 32 drafts).
     Returns o [b, T, HV, V] (``out``, ``out_dtype`` as in decode).
     """
     gate = None if a is None and b is None and A_log is None else (a, b, A_log, dt_bias)

@@ -26,7 +26,9 @@ the cached read-path residuals of committed entries:
     u_s = beta_s (v_s - gamma_t S_read k_s - sum_{j < t} gamma_{j+1:t} (k_j . k_s) u_j)
     o_s = gamma_t S_read q_s + sum_{j <= t} gamma_{j+1:t} (k_j . q_s) u_j,   t = h + s
 
-— no per-token [V, K] state anywhere. The new tokens' v and u rows are stored here.
+— no per-token [V, K] state anywhere. The new tokens' v and u rows are stored here. For a draft
+tree the sums over j < t and j <= t run over the committed entries and draft s's ancestors only
+(the scores launch's bitmasks, ``window.ancestor_masks``), so u_s is the residual of its own chain.
 """
 from __future__ import annotations
 
@@ -36,8 +38,8 @@ import triton.language as tl
 
 from .._triton import launch
 from .._triton.launch import after_previous_launch
-from .._triton.decay import segment_to, softplus
-from .._triton.window import list_due, slot_cursor, slot_row, step_cursor, window_scalars
+from .._triton.decay import segment_along, softplus
+from .._triton.window import ancestor_loads, ancestor_masks, draft_view, list_due, slot_cursor, slot_row, step_cursor, window_scalars
 from .._triton.formats import (column, load_query, load_read, load_tile, matvec, pin_vector_width,
                                products_on_tensor_cores, read_copy_from_anchor, streamed_products,
                                write_checkpoint)
@@ -81,10 +83,12 @@ def _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L: tl.cons
 
 @triton.jit
 def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_ptr, kn_ptr, qn_ptr, scores_ptr,
-                       a_ptr, b_ptr, alog_ptr, dtb_ptr, gn_ptr, betan_ptr, due_ptr, scale, SCRATCH, B, HK, HV,
-                       T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, RATIO: tl.constexpr,
-                       NORM: tl.constexpr, GATE: tl.constexpr, HAS_DTB: tl.constexpr, RP: tl.constexpr,
-                       DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, PDL: tl.constexpr):
+                       a_ptr, b_ptr, alog_ptr, dtb_ptr, gn_ptr, betan_ptr, due_ptr, parents_ptr, anc_ptr,
+                       gaps_ptr, scale,
+                       SCRATCH, B, HK, HV, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr,
+                       RATIO: tl.constexpr, NORM: tl.constexpr, GATE: tl.constexpr, HAS_DTB: tl.constexpr,
+                       RP: tl.constexpr, DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, TREE: tl.constexpr,
+                       MAXD: tl.constexpr, PDL: tl.constexpr):
     """Once per (batch row, key head): the T new keys and queries prepared in fp32 (L2-normalized
     when NORM, as flash-linear-attention's l2norm, queries times ``scale``) into kn, qn [b, T, HK, K]
     for the other launches; the batch row's committed count into ``cursors`` [b]; then
@@ -92,7 +96,9 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_p
     the window (committed + new). GATE: the new tokens' gates of the key head's value heads from the raw inputs, as
     flash-linear-attention's gated delta rule takes them: g = -exp(A_log) softplus(a + dt_bias) and
     beta = sigmoid(b) into gn, betan [b, T, HV] fp32 for the other launches. Program (0, 0) also
-    lists the slots due to refresh for the solve and refresh launches (``window.list_due``)."""
+    lists the slots due to refresh for the solve and refresh launches (``window.list_due``). TREE:
+    the batch row's draft tree, ``parents`` [b, T], as ancestor bitmasks into ``anc`` int32 [b, T]
+    for the step launch, and the slot's pending tree into ``cache.draft_gaps`` (``window.ancestor_masks``)."""
     after_previous_launch(PDL)
     pid_b, khead = tl.program_id(0), tl.program_id(1)
     if (pid_b == 0) & (khead == 0):
@@ -109,9 +115,11 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_p
                 x += tl.load(dtb_ptr + vh, mask=mine, other=0.0).to(tl.float32)
             tl.store(gn_ptr + at, -decay_rate * softplus(x), mask=mine)
             tl.store(betan_ptr + at, tl.sigmoid(tl.load(b_ptr + at, mask=mine, other=0.0).to(tl.float32)), mask=mine)
-    _, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
+    valid, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
     if khead == 0:
         tl.store(cursors_ptr + pid_b, h)
+        if TREE:
+            ancestor_masks(parents_ptr, anc_ptr, gaps_ptr, pid_b, valid, row, T, MAXD)
     j = tl.arange(0, LP)
     seen = tl.where(need, 0, h)  # committed entries the new tokens see: none after a refresh
     K_old = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :], mask=(j < seen)[:, None],
@@ -293,14 +301,17 @@ def _gdn_step_kernel(
         slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, decays_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
         bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, bu_ptr,
-        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, scores_ptr, o_ptr,
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, scores_ptr, anc_ptr, o_ptr,
         SCRATCH, HV, HK,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr, STREAM: tl.constexpr,
         PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr,
-        PDL: tl.constexpr):
+        TREE: tl.constexpr, PDL: tl.constexpr):
+    """TREE: draft s sees the committed entries and its ancestors only (``anc`` [b, T], the
+    scores launch's bitmasks): its decays are summed along that path and its residual solves
+    against its ancestors' residuals only; else a chain."""
     after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -330,6 +341,7 @@ def _gdn_step_kernel(
                             DV, DK, QLOAD, QP)
     tokens_in = _token_loads(q_ptr, k_ptr, v_ptr, beta_ptr, scores_ptr, bv_ptr, pid_b, head, khead, rv, HV, HK, T,
                              LP, DV, DK, R_FMT, OUTPUT_DOT)
+    ancestors = ancestor_loads(anc_ptr, pid_b, T, TREE)
     if PIN:
         pin_vector_width(rv_ptr, mat, rv, ck, h < 0, DV, DK, PIN)
     if OUTPUT_DOT:  # every S_read k_s and S_read q_s of the step in one product
@@ -344,10 +356,12 @@ def _gdn_step_kernel(
         tok_in = pid_b * T + s
         tok_buf = row * L + t
         v_s, beta_s, k_scores, q_scores, ka, kb, qa, qb = tokens_in[s]
-        c_t = tl.sum(tl.where(j <= t, g, 0.0), 0)  # log decay from the checkpoint to t
-        seg = segment_to(g, t)  # log decay from entry j to t
-        # residual u_s = beta_s (v_s - alpha_s S_{t-1} k_s), with S_{t-1} never formed
-        before = tl.where(j < t, tl.exp(tl.where(j < t, seg, float("-inf"))), 0.0) * k_scores
+        seen = draft_view(ancestors[s], h, s, LP, TREE)  # j <= t for a chain; every sum below runs along it
+        c_t = tl.sum(tl.where(seen, g, 0.0), 0)  # log decay from the checkpoint to t
+        seg = segment_along(g, seen)  # log decay from entry j to t
+        # residual u_s = beta_s (v_s - alpha_s S_{t-1} k_s), with S_{t-1} (the parent's state) never formed
+        prior = seen & (j < t)
+        before = tl.where(prior, tl.exp(tl.where(prior, seg, float("-inf"))), 0.0) * k_scores
         if OUTPUT_DOT:
             Sk_read = column(SQ, s)
         else:
@@ -360,7 +374,7 @@ def _gdn_step_kernel(
             Sq_read = column(SQ, T + s)
         else:
             Sq_read = matvec(ra, rb, rsc, qa, qb, R_FMT)
-        upto = tl.where(j <= t, tl.exp(tl.where(j <= t, seg, float("-inf"))), 0.0) * q_scores
+        upto = tl.where(seen, tl.exp(tl.where(seen, seg, float("-inf"))), 0.0) * q_scores
         o = tl.exp(c_t) * Sq_read + tl.sum(U * upto[None, :], 1)
         tl.store(o_ptr + (tok_in * HV + head) * DV + rv, tl.where(valid, o, 0.0).to(o_ptr.dtype.element_ty))
         tl.store(bv_ptr + (tok_buf * HV + head) * DV + rv, v_s)  # rows only this program reads
@@ -371,9 +385,10 @@ def _gdn_step_kernel(
 SOLVE_WARPS = 4
 
 
-def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: bool, o, gate=None):
+def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: bool, o, gate=None, parents=None):
     """One GDN decode (T = 1) or verify step on the Triton backend.
 
+    parents int32/int64 [b, T] (a draft tree, T <= 32) or None (a chain).
     q, k [b, T, HK, K] as given to the public call (L2-normalized here when ``normalize``; q
     times ``scale``); v [b, T, HV, V]; g, beta [b, T, HV]; any float dtypes. Writes the outputs
     into o [b, T, HV, V] (contiguous, fp32/fp16/bf16; pads zero). The input preparation happens
@@ -405,10 +420,13 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     decays = torch.empty(b, HV, 3, LP, dtype=torch.float32, device=dev)
     cursors = torch.empty(b, dtype=cache.committed.dtype, device=dev)
     due = torch.empty(b + 1, dtype=torch.int32, device=dev)
+    anc = cursors if parents is None else torch.empty(b, T, dtype=torch.int32, device=dev)
     launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], k, q, kn, qn, scores,
-               *gate_args, due, float(scale), cache.scratch_row, b, HK, HV, T=T, L=cache.window, LP=LP, DK=K,
-               RATIO=HV // HK, NORM=normalize, GATE=gate is not None, HAS_DTB=gate is not None and gate[3] is not None,
-               RP=triton.next_power_of_2(HV // HK), **launch.due_scan(b, True))
+               *gate_args, due, cursors if parents is None else parents.contiguous(), anc, cache.draft_gaps, float(scale),
+               cache.scratch_row, b, HK, HV, T=T, L=cache.window, LP=LP, DK=K, RATIO=HV // HK, NORM=normalize,
+               GATE=gate is not None, HAS_DTB=gate is not None and gate[3] is not None,
+               RP=triton.next_power_of_2(HV // HK), TREE=parents is not None, MAXD=cache.max_draft,
+               **launch.due_scan(b, True))
     programs, rounds = launch.refresh_grid(b, T, cache.window)
     launch.run(_gdn_solve_kernel, (HK, programs), slots, cursors, due, buf["k"], buf["g"], buf["beta"], tinv, decays,
                HK, HV, L=cache.window, LP=LP, DK=K, RATIO=HV // HK, RP=triton.next_power_of_2(HV // HK),
@@ -427,9 +445,10 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
         _gdn_step_kernel, (V // shape.rows, HV, b),
         slots, cursors, cache.tokens, cache.seeds, tinv, decays, *anchor, *read,
         buf["k"], buf["v"], buf["g"], buf["beta"], buf["u"],
-        qn, kn, v, g, beta, scores, o, cache.scratch_row, HV, HK,
+        qn, kn, v, g, beta, scores, anc, o, cache.scratch_row, HV, HK,
         T=T, L=cache.window, LP=LP, DV=V, DK=K, BV=shape.rows, FR=FR, KC=KC, OUTPUT_DOT=shape.output_dot,
         QP=max(16, triton.next_power_of_2(2 * T)), STREAM=shape.stream, PIN=shape.pin, REFRESH=not shape.split,
-        STAGES=shape.stages, READ_AFTER=read_after, num_warps=shape.warps, **extra, **consts)
+        STAGES=shape.stages, READ_AFTER=read_after, TREE=parents is not None, num_warps=shape.warps, **extra,
+        **consts)
     launch.advance(cache, slots, T, commit, {"k": kn, "g": g, "beta": beta})
     return o

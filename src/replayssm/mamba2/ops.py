@@ -43,7 +43,7 @@ def _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft: bool):
 def _step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, commit, backend, out, out_dtype,
           parents=None):
     """y [b, T, H, P] of ``out_dtype``, written into ``out`` ([b, T, H, P] view) when given.
-    ``parents`` int64 [b, T] (validated, PyTorch backend only) for a tree verify."""
+    ``parents`` [b, T] (validated by ``checks.draft_parents``) for a tree verify."""
     kind = pick_backend(cache, backend)
     if slots.shape[0] == 0:  # nothing to compute or store; the kernels' grids would be empty
         return torch.zeros(x.shape, dtype=out_dtype, device=x.device) if out is None else out
@@ -52,7 +52,7 @@ def _step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, commit, back
         A, D, dt_bias = (None if t is None else t.contiguous() for t in (A, D, dt_bias))
         from . import triton as kernels
         y = out if out is not None and out.is_contiguous() else torch.empty(x.shape, dtype=out_dtype, device=x.device)
-        kernels.step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, commit, y)
+        kernels.step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, commit, y, parents)
         return y if out is None or y is out else out.copy_(y)
     dt = dt.float()
     if dt_bias is not None:
@@ -93,7 +93,7 @@ def mamba2_verify(cache, slots, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt
     parents int32/int64 [b, T] for a draft tree (None: a chain): parents[i, s] in [-1, s) is the
     draft that draft s follows (-1: the last committed token); draft s then sees the committed
     history and its ancestors only. Accept a root path with ``cache.accept(slots, n, path)``.
-    PyTorch backend only for now.
+    The Triton backend takes trees of at most 32 drafts.
     Returns y [b, T, H, P] (``out``, ``out_dtype`` as in decode).
     """
     slots, T = _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft=True)

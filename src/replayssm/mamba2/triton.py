@@ -17,7 +17,9 @@ format,
     y_s = gamma_t (S_read C_s) + sum_{j <= t} gamma_{j+1:t} dt_j (B_j . C_s) x_j,   t = h + s
 
 (the output-only form) as fp32 row reductions: the products are matrix-vector, so IEEE fp32
-keeps parity with the float64 reference. The new tokens' x rows are stored here.
+keeps parity with the float64 reference. The new tokens' x rows are stored here. For a draft
+tree the sums over j <= t run over the committed entries and draft s's ancestors only (the scores
+launch's bitmasks, ``window.ancestor_masks``), decays included.
 """
 from __future__ import annotations
 
@@ -27,8 +29,9 @@ import triton.language as tl
 
 from .._triton import launch
 from .._triton.launch import after_previous_launch
-from .._triton.decay import segment_to, softplus
-from .._triton.window import list_due, slot_cursor, slot_row, step_cursor, window_rows, window_scalars
+from .._triton.decay import segment_along, softplus
+from .._triton.window import (ancestor_loads, ancestor_masks, draft_view, list_due, slot_cursor, slot_row, step_cursor, window_rows,
+                              window_scalars)
 from .._triton.formats import (load_query, load_read, load_tile, matvec, pin_vector_width, read_copy_from_anchor,
                                write_checkpoint)
 
@@ -36,16 +39,20 @@ from .._triton.formats import (load_query, load_read, load_tile, matvec, pin_vec
 @triton.jit
 def _mamba2_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bB_ptr, bdt_ptr, bla_ptr, B_ptr, C_ptr,
                           scores_ptr, fold_w_ptr, fold_decay_ptr, dt_ptr, bias_ptr, A_ptr, dtn_ptr, la_ptr, due_ptr,
-                          SCRATCH, B, H, G, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr,
-                          HG: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr,
-                          PDL: tl.constexpr):
+                          parents_ptr, anc_ptr, gaps_ptr, SCRATCH, B, H, G, T: tl.constexpr, L: tl.constexpr,
+                          LP: tl.constexpr,
+                          DK: tl.constexpr, HG: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+                          DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, TREE: tl.constexpr,
+                          MAXD: tl.constexpr, PDL: tl.constexpr):
     """Once per (batch row, group): the T new tokens' step sizes of the group's heads prepared in
     fp32 into dtn = softplus(dt + dt_bias) and la = A * dtn [b, T, H] for the other launches; the
     batch row's committed count into ``cursors`` [b]; scores[b, g, s, j] = B_j . C_s over the
     entries a query sees (committed + new); and for a slot due to refresh, each head's fold
     weights w_j = gamma_{j+1:h} dt_j [b, H, LP] (zero past h) and history decay gamma_{1:h} [b, H].
     DUE_CH > 0: program (0, 0) also lists the slots due for a refresh launch of its own
-    (``window.list_due``)."""
+    (``window.list_due``). TREE: the batch row's draft tree, ``parents`` [b, T], as ancestor
+    bitmasks into ``anc`` int32 [b, T] for the step launch, and the slot's pending tree into
+    ``cache.draft_gaps`` (``window.ancestor_masks``)."""
     after_previous_launch(PDL)
     pid_b, group = tl.program_id(0), tl.program_id(1)
     if DUE_CH > 0:
@@ -63,9 +70,11 @@ def _mamba2_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bB_ptr, bdt_ptr
             d = softplus(d)
         tl.store(dtn_ptr + at, d, mask=mine)
         tl.store(la_ptr + at, A * d, mask=mine)
-    _, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
+    valid, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
     if group == 0:
         tl.store(cursors_ptr + pid_b, h)
+        if TREE:
+            ancestor_masks(parents_ptr, anc_ptr, gaps_ptr, pid_b, valid, row, T, MAXD)
     j = tl.arange(0, LP)
     if need:  # the refresh's per-token scalars of the group's heads, at this launch's shape for every preset
         old = mine[:, None] & (j < h)[None, :]
@@ -172,13 +181,15 @@ def _mamba2_step_kernel(
         slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_ptr, fold_decay_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
         bx_ptr, bdt_ptr, bla_ptr, bB_ptr,
-        x_ptr, dt_ptr, la_ptr, C_ptr, D_ptr, z_ptr, scores_ptr, y_ptr,
+        x_ptr, dt_ptr, la_ptr, C_ptr, D_ptr, z_ptr, scores_ptr, anc_ptr, y_ptr,
         SCRATCH, H, G,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, PIN: tl.constexpr, REFRESH: tl.constexpr,
-        STAGES: tl.constexpr, READ_AFTER: tl.constexpr, PDL: tl.constexpr):
+        STAGES: tl.constexpr, READ_AFTER: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr):
+    """TREE: draft s sees the committed entries and its ancestors only (``anc`` [b, T], the
+    scores launch's bitmasks), its decays summed along that path; else a chain."""
     after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -206,16 +217,16 @@ def _mamba2_step_kernel(
     X = window_rows(bx_ptr, x_ptr, row, pid_b, h, head, H, rv, DV, T, L, LP)
     tokens_in = _token_loads(x_ptr, C_ptr, D_ptr, z_ptr, scores_ptr, pid_b, head, group, rv, H, G, T, LP, DV, DK,
                              R_FMT, HAS_D, HAS_Z)
+    ancestors = ancestor_loads(anc_ptr, pid_b, T, TREE)
     if PIN:
         pin_vector_width(rv_ptr, mat, rv, ck, h < 0, DV, DK, PIN)
     new = (j >= h) & (j < h + T)
     for s in tl.static_range(T):  # y_s = gamma_t S_read q + sum_j gamma_{j+1:t} dt_j (k_j . q) x_j
-        t = h + s
         q_tok = pid_b * T + s
         scores, qa, qb, D, xq, zq = tokens_in[s]
         sq = matvec(ra, rb, rsc, qa, qb, R_FMT)
-        seen = j <= t
-        decay = tl.exp(tl.where(seen, segment_to(la, t), float("-inf")))  # masked before exp
+        seen = draft_view(ancestors[s], h, s, LP, TREE)  # j <= h + s for a chain; the sums below run along it
+        decay = tl.exp(tl.where(seen, segment_along(la, seen), float("-inf")))  # masked before exp
         w = decay * dt * scores  # [LP]
         y = tl.exp(tl.sum(tl.where(seen, la, 0.0), 0)) * sq
         y += tl.sum(X * w[:, None], 0)
@@ -229,10 +240,10 @@ def _mamba2_step_kernel(
              mask=new[:, None])
 
 
-def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit: bool, y):
+def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit: bool, y, parents=None):
     """One Mamba-2 decode (T = 1) or verify step on the Triton backend.
 
-    x [b, T, H, P]; dt [b, T, H] raw (dt_bias [H] added and softplus applied here when given);
+    parents int32/int64 [b, T] (a draft tree, T <= 32) or None (a chain); x [b, T, H, P]; dt [b, T, H] raw (dt_bias [H] added and softplus applied here when given);
     A [H]; B, C [b, T, G, N]; D [H]; z [b, T, H, P]; any float dtypes. Writes the outputs into y
     [b, T, H, P] (contiguous, fp32/fp16/bf16; pads zero). The input preparation happens inside the
     first launch.
@@ -255,11 +266,13 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     dt_in, dt = dt, torch.empty(b, T, H, dtype=torch.float32, device=dev)
     log_alpha = torch.empty_like(dt)
     due = torch.empty(b + 1 if shape.split else 1, dtype=torch.int32, device=dev)
+    anc = cursors if parents is None else torch.empty(b, T, dtype=torch.int32, device=dev)
+    tree = dict(parents=cursors if parents is None else parents.contiguous(), anc=anc, TREE=parents is not None)
     launch.run(_mamba2_scores_kernel, (b, G), slots, cache.committed, cursors, buf["B"], buf["dt"], buf["log_alpha"],
                B, C, scores, fold_w, fold_decay, dt_in, dt_in if dt_bias is None else dt_bias.contiguous(), A, dt,
-               log_alpha, due, cache.scratch_row, b, H, G, T=T, L=cache.window, LP=LP, DK=N,
+               log_alpha, due, tree["parents"], anc, cache.draft_gaps, cache.scratch_row, b, H, G, T=T, L=cache.window, LP=LP, DK=N,
                HG=triton.next_power_of_2(H // G), HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
-               **launch.due_scan(b, shape.split))
+               TREE=tree["TREE"], MAXD=cache.max_draft, **launch.due_scan(b, shape.split))
     FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "mamba2")
     read_after = launch.read_copy_after_fold(cache)
     if shape.split:
@@ -272,10 +285,10 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
         _mamba2_step_kernel, (P // shape.rows, H, b),
         slots, cursors, cache.tokens, cache.seeds, fold_w, fold_decay, *anchor, *read,
         buf["x"], buf["dt"], buf["log_alpha"], buf["B"],
-        x, dt, log_alpha, C, x if D is None else D, x if z is None else z, scores, y,
+        x, dt, log_alpha, C, x if D is None else D, x if z is None else z, scores, anc, y,
         cache.scratch_row, H, G,
         T=T, L=cache.window, LP=LP, DV=P, DK=N, BV=shape.rows, FR=FR, KC=KC, HAS_D=D is not None,
         HAS_Z=z is not None, PIN=shape.pin, REFRESH=not shape.split, STAGES=shape.stages, READ_AFTER=read_after,
-        num_warps=shape.warps, **extra, **consts)
+        TREE=tree["TREE"], num_warps=shape.warps, **extra, **consts)
     launch.advance(cache, slots, T, commit, {"dt": dt, "log_alpha": log_alpha, "B": B})
     return y
