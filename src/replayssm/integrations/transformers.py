@@ -234,6 +234,7 @@ class _LayerAdapter:
     pending convolution inputs of a verify."""
 
     kind = "base"
+    triton_trees = True  #: whether the layer's Triton kernels verify draft trees
 
     def __init__(self, owner: "ReplayPatch", module):
         self.owner = owner
@@ -357,7 +358,8 @@ class _LayerAdapter:
         backend without tree kernels); return quietly when it verifies trees."""
         slots = self.slots(self.batch, self.cache.device)
         parents = torch.full((self.batch, 1), -1, dtype=torch.int64, device=self.cache.device)
-        checks.draft_parents(self.cache, slots, parents, 1, pick_backend(self.cache, self.owner.backend))
+        checks.draft_parents(self.cache, slots, parents, 1, pick_backend(self.cache, self.owner.backend),
+                             self.triton_trees)
 
     def accept(self, num_inputs, path=None):
         """Commit the first ``num_inputs[b]`` (>= 0) tokens of the pending verify; after a tree
@@ -534,6 +536,8 @@ class _KDAAdapter(_LayerAdapter):
     The gate is the layer's own ``forget_gate`` module, so its softplus (linear above 20) is
     transformers' own; ReplaySSM takes the per-channel log decay g it returns.
     """
+
+    triton_trees = False
 
     kind = "kda"
 

@@ -69,5 +69,6 @@ def kda_verify(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, 
     Returns o fp32 [b, T, HV, V].
     """
     slots = _check(cache, slots, q, k, v, g, beta, scale, backend, draft=True)
-    parents = checks.draft_parents(cache, slots, parents, q.shape[1], pick_backend(cache, backend))
+    parents = checks.draft_parents(cache, slots, parents, q.shape[1], pick_backend(cache, backend),
+                                   triton_trees=False)
     return _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, False, backend, parents)
