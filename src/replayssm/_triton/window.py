@@ -53,6 +53,14 @@ def list_due(slots_ptr, committed_ptr, due_ptr, B, T: tl.constexpr, L: tl.conste
 
 
 @triton.jit
+def due_slot(due_ptr, slots_ptr, cursors_ptr, rank):
+    """(batch row, storage row int64, committed count h) of the slot due of ``rank`` in the list
+    ``list_due`` made (rank < due[0]): what a program of a launch over the slots due works on."""
+    pid_b = tl.load(due_ptr + 1 + rank)
+    return pid_b, tl.load(slots_ptr + pid_b).to(tl.int64), tl.load(cursors_ptr + pid_b)
+
+
+@triton.jit
 def slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T: tl.constexpr, L: tl.constexpr):
     """(valid, storage row, committed count h, refresh due) of batch row ``pid_b``."""
     valid, row = slot_row(slots_ptr, pid_b, SCRATCH)

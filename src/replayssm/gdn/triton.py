@@ -39,7 +39,8 @@ import triton.language as tl
 from .._triton import launch
 from .._triton.launch import after_previous_launch
 from .._triton.decay import segment_along, softplus
-from .._triton.window import ancestor_loads, ancestor_masks, draft_view, list_due, slot_cursor, slot_row, step_cursor, window_scalars
+from .._triton.window import (ancestor_loads, ancestor_masks, draft_view, due_slot, list_due, slot_cursor, slot_row,
+                              step_cursor, window_scalars)
 from .._triton.formats import (column, load_query, load_read, load_tile, matvec, pin_vector_width,
                                products_on_tensor_cores, read_copy_from_anchor, streamed_products,
                                write_checkpoint)
@@ -168,9 +169,7 @@ def _gdn_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bg_ptr, bbeta_ptr
     for it in tl.range(0, ROUNDS, num_stages=1):  # a constant trip count: the interpreter needs one
         r = c + it * tl.num_programs(1)
         if r < count:
-            pid_b = tl.load(due_ptr + 1 + r)
-            row = tl.load(slots_ptr + pid_b).to(tl.int64)
-            h = tl.load(cursors_ptr + pid_b)
+            pid_b, row, h = due_slot(due_ptr, slots_ptr, cursors_ptr, r)
             K_c = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :], mask=(j < h)[:, None],
                           other=0.0).to(tl.float32)
             gram = tl.dot(K_c, tl.trans(K_c), input_precision="ieee")  # k_j . k_i
@@ -250,9 +249,7 @@ def _gdn_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
     for it in tl.range(0, ROUNDS, num_stages=1):  # a constant trip count: the interpreter needs one
         r = c + it * tl.num_programs(2)
         if r < count:
-            pid_b = tl.load(due_ptr + 1 + r)
-            row = tl.load(slots_ptr + pid_b).to(tl.int64)
-            h = tl.load(cursors_ptr + pid_b)
+            pid_b, row, h = due_slot(due_ptr, slots_ptr, cursors_ptr, r)
             _gdn_refresh_rows(pid_b, head, head // (HV // HK), row, h, pid_v * FR, seeds_ptr, tokens_ptr, tinv_ptr,
                               decays_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, HV,
                               HK, L, LP, DV, DK, FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)

@@ -58,7 +58,7 @@ from .._triton.formats import (
 )
 from .._triton.launch import after_previous_launch
 from .._triton.solve import unit_lower_inverse
-from .._triton.window import list_due, slot_cursor, slot_row, step_cursor, window_rows
+from .._triton.window import due_slot, list_due, slot_cursor, slot_row, step_cursor, window_rows
 from ..gdn.triton import (
     SOLVE_WARPS,
     _token_loads,  # the new tokens' inputs, laid out per value head as GDN's per key head
@@ -181,9 +181,7 @@ def _kda_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bg_ptr, g_ptr, bb
     for it in tl.range(0, ROUNDS, num_stages=1):  # a constant trip count: the interpreter needs one
         r = c + it * tl.num_programs(1)
         if r < count:
-            pid_b = tl.load(due_ptr + 1 + r)
-            row = tl.load(slots_ptr + pid_b).to(tl.int64)
-            h = tl.load(cursors_ptr + pid_b)
+            pid_b, row, h = due_slot(due_ptr, slots_ptr, cursors_ptr, r)
             K_c = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :], mask=(j < h)[:, None],
                           other=0.0).to(tl.float32)
             for vv in tl.range(0, RATIO):  # a loop, not unrolled: registers
@@ -253,9 +251,7 @@ def _kda_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
     for it in tl.range(0, ROUNDS, num_stages=1):  # a constant trip count: the interpreter needs one
         r = c + it * tl.num_programs(2)
         if r < count:
-            pid_b = tl.load(due_ptr + 1 + r)
-            row = tl.load(slots_ptr + pid_b).to(tl.int64)
-            h = tl.load(cursors_ptr + pid_b)
+            pid_b, row, h = due_slot(due_ptr, slots_ptr, cursors_ptr, r)
             _kda_refresh_rows(pid_b, head, row, h, pid_v * FR, seeds_ptr, tokens_ptr, tinv_ptr, rk_ptr, fk_ptr,
                               total_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bv_ptr, bbeta_ptr, HV, L, LP,
                               DV, DK, FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)

@@ -30,8 +30,8 @@ import triton.language as tl
 from .._triton import launch
 from .._triton.launch import after_previous_launch
 from .._triton.decay import segment_along, softplus
-from .._triton.window import (ancestor_loads, ancestor_masks, draft_view, list_due, slot_cursor, slot_row, step_cursor, window_rows,
-                              window_scalars)
+from .._triton.window import (ancestor_loads, ancestor_masks, draft_view, due_slot, list_due, slot_cursor, slot_row,
+                              step_cursor, window_rows, window_scalars)
 from .._triton.formats import (load_query, load_read, load_tile, matvec, pin_vector_width, read_copy_from_anchor,
                                write_checkpoint)
 
@@ -145,9 +145,7 @@ def _mamba2_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w
     for it in tl.range(0, ROUNDS, num_stages=1):  # a constant trip count: the interpreter needs one
         r = c + it * tl.num_programs(2)
         if r < count:
-            pid_b = tl.load(due_ptr + 1 + r)
-            row = tl.load(slots_ptr + pid_b).to(tl.int64)
-            h = tl.load(cursors_ptr + pid_b)
+            pid_b, row, h = due_slot(due_ptr, slots_ptr, cursors_ptr, r)
             _mamba2_refresh_rows(pid_b, head, row, h, pid_v * FR, seeds_ptr, tokens_ptr, fold_w_ptr, fold_decay_ptr,
                                  av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, H, G, L, LP, DV, DK,
                                  FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
