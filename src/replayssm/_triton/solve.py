@@ -14,10 +14,12 @@ import triton.language as tl
 
 @triton.jit
 def unit_lower_inverse(M, SQUARINGS: tl.constexpr):
-    """(I + M)^{-1} [LP, LP] fp32 for M [LP, LP] fp32 strictly lower triangular; SQUARINGS =
-    log2(LP) - 1 (the factors (I + M^2) .. (I + M^{LP/2}))."""
-    r = tl.arange(0, M.shape[0])
+    """(I + M)^{-1} [..., LP, LP] fp32 for M [LP, LP] or a batch [n, LP, LP] of fp32 strictly
+    lower triangular matrices; SQUARINGS = log2(LP) - 1 (the factors (I + M^2) .. (I + M^{LP/2}))."""
+    r = tl.arange(0, M.shape[len(M.shape) - 1])
     eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    if len(M.shape) == 3:
+        eye = tl.broadcast_to(eye[None, :, :], M.shape)
     X = eye - M
     power = M
     for _ in tl.static_range(SQUARINGS):

@@ -38,6 +38,7 @@ import triton.language as tl
 
 from .._triton import launch
 from .._triton.launch import after_previous_launch
+from .._triton.solve import unit_lower_inverse
 from .._triton.decay import segment_along, softplus
 from .._triton.window import (ancestor_loads, ancestor_masks, draft_view, due_slot, list_due, slot_cursor, slot_row,
                               step_cursor, window_scalars)
@@ -73,13 +74,7 @@ def _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L: tl.cons
     seg = tl.dot(through, upper, input_precision="ieee")  # [r, j, i]: g(i, j]
     lower = (ic < jr) & (jr < h)
     M = tl.where(lower, beta_c[:, :, None] * tl.exp(tl.where(lower, seg, 0.0)) * gram[None, :, :], 0.0)
-    eye = tl.broadcast_to(tl.where(jr == ic, 1.0, 0.0), (RP, LP, LP))
-    X = eye - M
-    power = M
-    for _ in tl.static_range(SQUARINGS):  # factors (I + M^2), (I + M^4), ..., (I + M^{LP/2})
-        power = tl.dot(power, power, input_precision="ieee")
-        X = tl.dot(X, eye + power, input_precision="ieee")
-    return X, ec, es, tl.exp(tl.sum(g_c, 1))
+    return unit_lower_inverse(M, SQUARINGS), ec, es, tl.exp(tl.sum(g_c, 1))
 
 
 @triton.jit
