@@ -315,3 +315,94 @@ def test_kda_conventional_kernel_and_triton_gate_against_float64():
     p = Problem("kda", (2, 16, 16, 1), 2, 1)
     _, rel, state_err = measure.correctness(p, "s32_rs", "cpu", "triton", steps=6, rounds=2, T=2, window=4)
     assert rel <= measure.gate_tolerance("s32_rs") and state_err <= 1e-5
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
+def test_conventional_tree_kernel_against_float64(arch):
+    """Under the interpreter: the conventional tree verify (the tree baseline) writes each node's
+    state from its parent's, every one and every output matching the float64 recurrence along the
+    node's path; the same drafts as a chain give other states (a kernel ignoring parents fails)."""
+    from replayssm.bench import measure, suite
+
+    gen = torch.Generator().manual_seed(3)
+    parents, _ = measure.tree_of(6)
+    p = Problem(arch, (4, 16, 32, 2) if arch == "mamba2" else (4, 16, 16, 2), 3, 6)
+    inp = suite.make_inputs(p, "cpu", gen, dtype=torch.float32)
+    prm = suite.make_params(p, "cpu", gen)
+    state = torch.randn(5, *suite.state_shape(p), generator=gen) * 0.1
+    slots = torch.tensor([4, 0, 2])
+    inter = torch.empty(5, 6, *suite.state_shape(p))
+    y = suite.conventional_call(p, state, slots, inp, prm, inter,
+                                torch.tensor(parents, dtype=torch.int32).expand(3, 6).contiguous())
+    root, states, chain = state[slots].double(), [], state[slots].double()
+    for t in range(6):
+        yr, st = measure.reference_step(p, root if parents[t] < 0 else states[parents[t]], inp, prm, t)
+        states.append(st)
+        chain = measure.reference_step(p, chain, inp, prm, t)[1]
+        assert (y[:, t].double() - yr).abs().max() <= 1e-5
+        assert (inter[slots, t].double() - st).abs().max() <= 1e-5
+        if t >= 2:  # node t's parent is not t - 1 from here on
+            assert (inter[slots, t].double() - chain).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
+def test_tree_gate_passes_the_real_kernel_and_refuses_a_broken_one(arch):
+    from replayssm.bench import measure, suite
+
+    assert measure.tree_of(8) == ([-1, -1, 0, 0, 1, 1, 2, 2], [0, 2, 6])
+    assert measure.tree_of(14)[1] == [0, 2, 6] and measure.tree_of(16)[1] == [0, 2, 6, 14]
+    p = Problem(arch, (4, 16, 32, 2), 4, 6)
+    parents = measure.tree_of(6)[0]
+    _, rel, state_err = measure.tree_correctness(p, "s32_rs", parents, "cpu", "torch", rounds=3, window=8)
+    assert rel <= measure.gate_tolerance("s32_rs") and state_err <= 1e-5
+
+    def broken(*args, **kw):  # 1% off on the nodes whose parent is not the draft before them
+        y = suite.replay_call(*args, **kw)
+        if y.dim() == 4 and kw.get("parents") is not None:
+            y[:, 2:] *= 1.01
+        return y
+
+    _, rel_broken, _ = measure.tree_correctness(p, "s32_rs", parents, "cpu", "torch", rounds=3, window=8,
+                                                call=broken)
+    assert rel_broken > measure.gate_tolerance("s32_rs")
+
+
+def test_tree_sweep_rows(tmp_path, monkeypatch, capsys):
+    """``--trees``: per node count and batch, the conventional tree verify, and each preset's tree
+    and chain verify of as many drafts, all accepting the tree's depth, with ratios against the
+    conventional tree; a preset failing its tree gate gets no tree rows."""
+    import json
+
+    from replayssm.bench import measure, suite
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "_environment", lambda: {"gpu": "stub GPU", "commit": "abc1234"})
+    monkeypatch.setattr(suite, "copy_bandwidth", lambda: 4e12)
+    monkeypatch.setattr(suite, "baseline_available", lambda name, arch=None: "absent")
+    monkeypatch.setattr(measure, "correctness", lambda p, preset, *a, **kw: (1e-7, 1e-8, 1e-7))
+    monkeypatch.setattr(measure, "tree_correctness",
+                        lambda p, preset, *a, **kw: (1e-7, 1e-8 if preset == "s32_rs" else 1.0, 1e-7))
+    seen = []
+
+    def bench_one(p, preset, mode="staggered", baseline="ours", tree=None, accept="all", **kw):
+        seen.append((preset, p.T, tree is not None, accept))
+        us = 30.0 if preset is None else (6.0 if tree else 5.0)
+        return (us, 0.1), (None if preset is None else {"replay": 1e6, "conventional": 2e6})
+
+    monkeypatch.setattr(measure, "bench_one", bench_one)
+    assert main_cli(["bench", "--arch", "gdn", "--batch", "256", "--draft", "0", "--trees", "8,32",
+                     "--presets", "s32_rs,tp8_hi32", "--output", str(tmp_path)]) == 1  # tp8_hi32: tree gate
+    capsys.readouterr()
+    rep = json.loads((tmp_path / "bench.json").read_text())
+    trees = [r for r in rep["rows"] if r["draft"] == 8]
+    assert {(r["kernel"], r["mode"], r["accept"]) for r in trees} == {("ours", "tree", 3), ("s32_rs", "tree", 3),
+                                                                     ("s32_rs", "chain", 3)}
+    assert {r["speedup_vs_ours"] for r in trees if r["kernel"] == "s32_rs"} == {5.0, 6.0}
+    assert not [r for r in rep["rows"] if r["draft"] == 32]  # more nodes than the window holds
+    assert (None, 8, True, "all") in seen and ("s32_rs", 8, False, 3) in seen
+    from replayssm.bench import report
+
+    text = "\n".join(report.tree_lines(report.Table(report.merge([report.load(str(tmp_path / "bench.json"))]))))
+    assert "Gated DeltaNet tree verify of 8 drafts" in text and "accepting a root path of 3" in text
+    assert "| `s32_rs` tree | 6.0 (5.00) |" in text and "| `s32_rs` chain of 8 | 5.0 (6.00) |" in text
+    assert "| conventional tree, one state per node | 30.0 |" in text and "`s32_rs` 1.0e-08" in text

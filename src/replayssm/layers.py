@@ -25,13 +25,13 @@ class Mamba2Layer:
         return Mamba2Cache(num_slots, geo.H, geo.P, geo.N, ngroups=geo.G, **kw)
 
     @staticmethod
-    def call(cache, slots, tok: dict, consts: dict, verify: bool, backend=None):
-        """Outputs fp32 [b, T, H, P]."""
+    def call(cache, slots, tok: dict, consts: dict, verify: bool, backend=None, parents=None):
+        """Outputs fp32 [b, T, H, P]; ``parents`` [b, T]: a verify of draft trees."""
         from .mamba2.ops import mamba2_decode, mamba2_verify
         c = consts
         if verify:
             return mamba2_verify(cache, slots, tok["x"], tok["dt"], c["A"], tok["B"], tok["C"], c.get("D"),
-                                 tok.get("z"), c.get("dt_bias"), True, backend=backend)
+                                 tok.get("z"), c.get("dt_bias"), True, backend=backend, parents=parents)
         t = {k: v[:, 0] for k, v in tok.items()}
         return mamba2_decode(cache, slots, t["x"], t["dt"], c["A"], t["B"], t["C"], c.get("D"), t.get("z"),
                              c.get("dt_bias"), True, backend=backend)[:, None]
@@ -58,12 +58,12 @@ class GDNLayer:
         return GDNCache(num_slots, geo.G, geo.H, geo.N, geo.P, **kw)
 
     @staticmethod
-    def call(cache, slots, tok: dict, consts: dict, verify: bool, backend=None):
-        """Outputs fp32 [b, T, H, P]."""
+    def call(cache, slots, tok: dict, consts: dict, verify: bool, backend=None, parents=None):
+        """Outputs fp32 [b, T, H, P]; ``parents`` [b, T]: a verify of draft trees."""
         from .gdn.ops import gdn_decode, gdn_verify
         if verify:
             return gdn_verify(cache, slots, tok["q"], tok["k"], tok["v"], tok["g"], tok["beta"],
-                              use_qk_l2norm=True, backend=backend)
+                              use_qk_l2norm=True, backend=backend, parents=parents)
         t = {k: v[:, 0] for k, v in tok.items()}
         return gdn_decode(cache, slots, t["q"], t["k"], t["v"], t["g"], t["beta"], use_qk_l2norm=True,
                           backend=backend)[:, None]
@@ -89,12 +89,12 @@ class KDALayer:
         return KDACache(num_slots, geo.G, geo.H, geo.N, geo.P, **kw)
 
     @staticmethod
-    def call(cache, slots, tok: dict, consts: dict, verify: bool, backend=None):
-        """Outputs fp32 [b, T, H, P]."""
+    def call(cache, slots, tok: dict, consts: dict, verify: bool, backend=None, parents=None):
+        """Outputs fp32 [b, T, H, P]; ``parents`` [b, T]: a verify of draft trees."""
         from .kda.ops import kda_decode, kda_verify
         if verify:
             return kda_verify(cache, slots, tok["q"], tok["k"], tok["v"], tok["g"], tok["beta"],
-                              use_qk_l2norm=True, backend=backend)
+                              use_qk_l2norm=True, backend=backend, parents=parents)
         t = {k: v[:, 0] for k, v in tok.items()}
         return kda_decode(cache, slots, t["q"], t["k"], t["v"], t["g"], t["beta"], use_qk_l2norm=True,
                           backend=backend)[:, None]

@@ -60,6 +60,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--window", type=_ints, default=[16], help="refresh windows L")
     ap.add_argument("--draft", type=_ints, default=[0, 4], help="0 = standard decode; T > 0 = verify T drafts")
     ap.add_argument("--accept", choices=["all", "none", "half"], default="all", help="drafts accepted per round")
+    ap.add_argument("--trees", type=_ints, default=[], metavar="NODES",
+                    help="also time tree verifies of these node counts (binary top-k trees, breadth first) against "
+                         "a chain of as many drafts and the conventional tree verify that writes one state per node, "
+                         "each accepting the tree's depth per round (Mamba-2 and Gated DeltaNet)")
     ap.add_argument("--presets", type=_names(PRESET_NAMES, "preset"), default=DEFAULT_PRESETS.split(","),
                     help=f"comma-separated, from {','.join(PRESET_NAMES)}")
     ap.add_argument("--baselines", type=_names(BASELINE_NAMES, "baseline"), default=list(BASELINE_NAMES),
@@ -180,8 +184,9 @@ def run(args) -> int:
             why = suite.baseline_available(b, archs[0] if archs else None)
             if why:
                 out["skipped"][b] = why
-    total = sum(len(args.window) * len(args.draft) * len(args.batch) * (len(presets) * len(modes) + len(baselines))
-                for _ in todo)
+    total = sum(len(args.window) * len(args.batch) * (len(args.draft) * (len(presets) * len(modes) + len(baselines))
+                                                     + (len(args.trees) * (1 + 2 * len(presets)) if a != "kda" else 0))
+                for a, _ in todo)
     bar = _progress.bar(total, "replayssm bench", unit="point")
     try:
         for arch, dims in todo:
@@ -245,6 +250,43 @@ def _sweep(args, arch, dims, presets, baselines, modes, out, bar, command, measu
                         row.update({f"speedup_vs_{b}": t / us for b, t in base.items()})
                         out["rows"].append(row)
                         _save(out, args.output)
+        if arch != "kda":
+            for nodes in args.trees:
+                if nodes <= window:
+                    _tree_sweep(args, arch, dims, presets, nodes, window, out, bar, stamp, measure)
+
+
+def _tree_sweep(args, arch, dims, presets, nodes, window, out, bar, stamp, measure) -> None:
+    """Rows of mode "tree" (the conventional tree verify: kernel "ours"; ReplaySSM per preset, after
+    a tree correctness gate against float64) and "chain" (a chain of ``nodes`` drafts) at every
+    batch, all accepting the tree's depth per round."""
+    tree = measure.tree_of(nodes)
+    depth = len(tree[1])
+    passed = {}
+    for preset in presets:
+        e, rel, se = measure.tree_correctness(Problem(arch, dims, 16, nodes), preset, tree[0], "cuda", rounds=4,
+                                              window=window)
+        tol = measure.gate_tolerance(preset)
+        passed[preset] = rel <= tol
+        out["gate"].append(dict(arch=arch, dims=list(dims), window=window, preset=preset, max_abs=e, rel=rel,
+                                state=se, tolerance=tol, passed=passed[preset], tree=nodes, commit=stamp["commit"]))
+    for batch in args.batch:
+        p = Problem(arch, dims, batch, nodes)
+        bar.set_description_str(f"{stamp['geometry']} L={window} tree of {nodes} b={batch}")
+        bar.update(1 + 2 * len(presets))
+        (conv, spread), _ = measure.bench_one(p, None, window=window, tree=tree)
+        common = dict(arch=arch, dims=list(dims), window=window, draft=nodes, batch=batch, accept=depth, **stamp)
+        out["rows"].append(dict(common, kernel="ours", mode="tree", us=conv, spread=spread,
+                                bytes=batch * p.state_elems * 4 * (1 + nodes)))
+        for preset in presets:
+            if not passed[preset]:
+                continue
+            for mode in ("tree", "chain"):
+                (us, spread), tr = measure.bench_one(p, preset, window=window, accept=depth,
+                                                     tree=tree if mode == "tree" else None)
+                out["rows"].append(dict(common, kernel=preset, mode=mode, us=us, spread=spread, bytes=tr["replay"],
+                                        speedup_vs_ours=conv / us))
+        _save(out, args.output)
 
 
 def _save(report, out) -> None:

@@ -16,9 +16,23 @@ SHAPE = {"mamba2": (16, 1), "gdn": (8, 1), "kda": (8, 1)}  # KDA: GDN's, not swe
 
 
 @triton.jit
-def _mamba2_conv_kernel(state_ptr, inter_ptr, slots_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr,
+def _parent_state(S, state_ptr, inter_ptr, parents_ptr, off, slot, pid_b, s: tl.constexpr, head, rv, ck, H,
+                  T: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr):
+    """A draft tree's state before draft s: S (draft s - 1's) when s follows s - 1, else the slot's
+    state (a child of the root, parents = -1) or the parent draft's state as this program stored
+    it (the same thread wrote each element it loads, so the store is visible without a barrier)."""
+    par = tl.load(parents_ptr + pid_b * T + s)
+    if par < 0:
+        S = tl.load(state_ptr + off)
+    elif par != s - 1:
+        S = tl.load(inter_ptr + ((slot * T + par) * H + head) * DV * DK + rv[:, None] * DK + ck[None, :])
+    return S
+
+
+@triton.jit
+def _mamba2_conv_kernel(state_ptr, inter_ptr, slots_ptr, parents_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr,
                         y_ptr, H, G, T: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
-                        BV: tl.constexpr, SPEC: tl.constexpr):
+                        BV: tl.constexpr, SPEC: tl.constexpr, TREE: tl.constexpr):
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # row blocks fastest
     slot = tl.load(slots_ptr + pid_b).to(tl.int64)
     rv = pid_v * BV + tl.arange(0, BV)
@@ -34,6 +48,8 @@ def _mamba2_conv_kernel(state_ptr, inter_ptr, slots_ptr, x_ptr, dt_ptr, A_ptr, B
         x = tl.load(x_ptr + (tok * H + head) * DV + rv).to(tl.float32)
         Bv = tl.load(B_ptr + (tok * G + group) * DK + ck).to(tl.float32)
         Cv = tl.load(C_ptr + (tok * G + group) * DK + ck).to(tl.float32)
+        if TREE:
+            S = _parent_state(S, state_ptr, inter_ptr, parents_ptr, off, slot, pid_b, s, head, rv, ck, H, T, DV, DK)
         S = S * tl.exp(A * dt) + (dt * x)[:, None] * Bv[None, :]
         y = tl.sum(S * Cv[None, :], 1) + D * x
         tl.store(y_ptr + (tok * H + head) * DV + rv, y)
@@ -43,25 +59,26 @@ def _mamba2_conv_kernel(state_ptr, inter_ptr, slots_ptr, x_ptr, dt_ptr, A_ptr, B
         tl.store(state_ptr + off, S)
 
 
-def mamba2_conventional(state, slots, x, dt, A, B, C, D, inter=None):
+def mamba2_conventional(state, slots, x, dt, A, B, C, D, inter=None, parents=None):
     """state fp32 [pool, H, P, N] updated in place (or, with ``inter`` [pool, T, H, P, N], one
     state per draft written there); x [b, T, H, P]; dt fp32 [b, T, H] (after softplus);
-    A, D [H]; B, C [b, T, G, N]. Returns y fp32 [b, T, H, P]."""
+    A, D [H]; B, C [b, T, G, N]; ``parents`` int32 [b, T] (with ``inter``: a draft tree, each
+    draft's state from its parent's) or None (a chain). Returns y fp32 [b, T, H, P]."""
     b, T, H, P = x.shape
     N, G = state.shape[-1], B.shape[2]
     y = torch.empty(b, T, H, P, device=x.device, dtype=torch.float32)
     block_rows, warps = SHAPE.get("override", SHAPE["mamba2"])
     block_rows = min(block_rows, P)
     _mamba2_conv_kernel[(P // block_rows, H, b)](
-        state, state if inter is None else inter, slots, x, dt, A, B, C, D, y, H, G,
-        T=T, DV=P, DK=N, BV=block_rows, SPEC=inter is not None, num_warps=warps)
+        state, state if inter is None else inter, slots, slots if parents is None else parents, x, dt, A, B, C, D, y,
+        H, G, T=T, DV=P, DK=N, BV=block_rows, SPEC=inter is not None, TREE=parents is not None, num_warps=warps)
     return y
 
 
 @triton.jit
-def _gdn_conv_kernel(state_ptr, inter_ptr, slots_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
+def _gdn_conv_kernel(state_ptr, inter_ptr, slots_ptr, parents_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
                      HV, HK, T: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
-                     SPEC: tl.constexpr):
+                     SPEC: tl.constexpr, TREE: tl.constexpr):
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # row blocks fastest
     slot = tl.load(slots_ptr + pid_b).to(tl.int64)
     rv = pid_v * BV + tl.arange(0, BV)
@@ -76,6 +93,8 @@ def _gdn_conv_kernel(state_ptr, inter_ptr, slots_ptr, q_ptr, k_ptr, v_ptr, g_ptr
         v = tl.load(v_ptr + (tok * HV + head) * DV + rv).to(tl.float32)
         g = tl.load(g_ptr + tok * HV + head)
         beta = tl.load(beta_ptr + tok * HV + head)
+        if TREE:
+            S = _parent_state(S, state_ptr, inter_ptr, parents_ptr, off, slot, pid_b, s, head, rv, ck, HV, T, DV, DK)
         S = S * tl.exp(g)
         u = beta * (v - tl.sum(S * k[None, :], 1))
         S = S + u[:, None] * k[None, :]
@@ -86,17 +105,18 @@ def _gdn_conv_kernel(state_ptr, inter_ptr, slots_ptr, q_ptr, k_ptr, v_ptr, g_ptr
         tl.store(state_ptr + off, S)
 
 
-def gdn_conventional(state, slots, q, k, v, g, beta, inter=None):
+def gdn_conventional(state, slots, q, k, v, g, beta, inter=None, parents=None):
     """state fp32 [pool, HV, V, K] in place (or one state per draft into ``inter``); q, k
-    [b, T, HK, K] (normalized, q scaled); v [b, T, HV, V]; g, beta fp32 [b, T, HV]."""
+    [b, T, HK, K] (normalized, q scaled); v [b, T, HV, V]; g, beta fp32 [b, T, HV]; ``parents``
+    int32 [b, T] (with ``inter``: a draft tree) or None (a chain)."""
     b, T, HV, V = v.shape
     K, HK = state.shape[-1], q.shape[2]
     o = torch.empty(b, T, HV, V, device=v.device, dtype=torch.float32)
     block_rows, warps = SHAPE.get("override", SHAPE["gdn"])
     block_rows = min(block_rows, V)
     _gdn_conv_kernel[(V // block_rows, HV, b)](
-        state, state if inter is None else inter, slots, q, k, v, g, beta, o, HV, HK,
-        T=T, DV=V, DK=K, BV=block_rows, SPEC=inter is not None, num_warps=warps)
+        state, state if inter is None else inter, slots, slots if parents is None else parents, q, k, v, g, beta, o,
+        HV, HK, T=T, DV=V, DK=K, BV=block_rows, SPEC=inter is not None, TREE=parents is not None, num_warps=warps)
     return o
 
 

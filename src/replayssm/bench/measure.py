@@ -94,13 +94,16 @@ def graph_check(p0: Problem, preset="s32_rs", steps=48, device="cuda"):
 
 
 def bench_one(p: Problem, preset, mode="staggered", baseline="ours", window=16, accept="all",
-              device="cuda"):
+              device="cuda", tree=None):
     """Median us per step (per round of T drafts when p.T > 1) and the traffic model.
 
     preset None times a baseline ('ours' = the conventional kernel, 'mamba_ssm', 'fla').
     mode: 'staggered' (slot i at window position i mod L), 'aligned' (all slots refresh in the
     same step) or 'refresh' (every replay refreshes every slot). accept: 'all' | 'half' | 'none'
-    drafts accepted per round. Returns ((median, spread), traffic dict or None).
+    or a count of drafts accepted per round. ``tree``: (parents [T], path) of one draft tree that
+    every row verifies, accepting the first ``accept`` drafts of ``path`` (``tree_of``); the
+    conventional baseline then writes one state per tree node, each from its parent's. Returns
+    ((median, spread), traffic dict or None).
     """
     gen = torch.Generator(device=device).manual_seed(2)
     T, b = p.T, p.batch
@@ -110,6 +113,10 @@ def bench_one(p: Problem, preset, mode="staggered", baseline="ours", window=16, 
     rounds = max(1, window // T)  # one whole window per group
     inputs = [suite.make_inputs(p, device, gen) for _ in range(min(rounds, 4))]
     groups = [torch.arange(g * b, (g + 1) * b, device=device) for g in range(R)]
+    parents = path = None
+    if tree is not None:
+        parents = torch.tensor(tree[0], device=device, dtype=torch.int32).expand(b, T).contiguous()
+        path = torch.tensor(tree[1] + [0] * (T - len(tree[1])), device=device).expand(b, T).contiguous()
     if preset is None:
         state = torch.randn(pool, *suite.state_shape(p), device=device, generator=gen) * 0.1
         inter = torch.empty(pool, T, *suite.state_shape(p), device=device) if T > 1 else None
@@ -118,7 +125,8 @@ def bench_one(p: Problem, preset, mode="staggered", baseline="ours", window=16, 
         elif baseline == "fla":
             call = lambda g, i: suite.fla_call(p, state, g * b, inputs[i % len(inputs)], prm)  # noqa: E731
         else:
-            call = lambda g, i: suite.conventional_call(p, state, groups[g], inputs[i % len(inputs)], prm, inter)  # noqa: E731
+            call = lambda g, i: suite.conventional_call(p, state, groups[g], inputs[i % len(inputs)], prm, inter,  # noqa: E731
+                                                        parents)
         return suite.time_graph([lambda g=g, i=i: call(g, i) for g in range(R) for i in range(rounds)]), None
     cache = suite.make_cache(p, pool, preset, window, max(T, 4), device)
     allslots = torch.arange(pool, device=device)
@@ -129,15 +137,15 @@ def bench_one(p: Problem, preset, mode="staggered", baseline="ours", window=16, 
         for k in range(window - 1):
             suite.replay_call(p1, cache, torch.where(allslots % window > k, allslots, -1), inp1, prm, False)
     cache.check_values = False
-    n_acc = {"all": T, "half": T // 2, "none": 0}[accept]
+    n_acc = accept if isinstance(accept, int) else {"all": T, "half": T // 2, "none": 0}[accept]
     accepted = torch.full((b,), n_acc, device=device, dtype=torch.int64)
 
     def step(g, i):
         if T == 1:
             suite.replay_call(p, cache, groups[g], inputs[i % len(inputs)], prm, False)
         else:
-            suite.replay_call(p, cache, groups[g], inputs[i % len(inputs)], prm, True)
-            cache.accept(groups[g], accepted)
+            suite.replay_call(p, cache, groups[g], inputs[i % len(inputs)], prm, True, parents=parents)
+            cache.accept(groups[g], accepted, path)
 
     if mode == "refresh":
         def refresh_step(g):
@@ -149,3 +157,66 @@ def bench_one(p: Problem, preset, mode="staggered", baseline="ours", window=16, 
         fns = [lambda g=g, i=i: step(g, i) for g in range(R) for i in range(rounds)]
         f = 0.0 if n_acc == 0 and T > 1 else max(n_acc, 1) / window
     return suite.time_graph(fns), suite.traffic(p, cache, window, min(f, 1.0))
+
+
+def tree_of(nodes: int, arity: int = 2) -> tuple[list, list]:
+    """A complete ``arity``-ary draft tree of ``nodes`` nodes in breadth-first order (EAGLE-style
+    top-k drafts: ``arity`` children per node, level by level) and its deepest root path, leftmost
+    first: (parents [nodes], path). 8 binary nodes are 2 + 4 + 2 (path 0, 2, 6); 14 are 2 + 4 + 8."""
+    parents = [-1 if s < arity else (s - arity) // arity for s in range(nodes)]
+    path = [0]
+    while True:
+        child = next((s for s in range(nodes) if parents[s] == path[-1]), None)
+        if child is None:
+            return parents, path
+        path.append(child)
+
+
+def tree_correctness(p0: Problem, preset, parents: list, device="cuda", backend=None, rounds=6, window=16, seed=0,
+                     call=None):
+    """``rounds`` tree verifies of the draft tree ``parents`` [T] on every row after a staggered
+    decode, each accepting a random root path (its depth random, 0 included); every node's output
+    against the float64 recurrence along that node's path, and the committed states at the end.
+    ``call`` replaces ``suite.replay_call``. Returns (max abs err, relative err of outputs, max
+    state err)."""
+    call = call or suite.replay_call
+    gen = torch.Generator(device=device).manual_seed(seed)
+    b, T = p0.batch, len(parents)
+    cache = suite.make_cache(p0, b + 8, preset, window, T, device, buffer_dtype=torch.bfloat16)
+    slots = torch.randperm(b + 8, device=device, generator=gen)[:b]
+    slots[::37] = -1  # pads
+    valid = slots >= 0
+    state = torch.randn(b, *cache.state_shape, device=device, generator=gen) * 0.1
+    cache.load_state(slots, state)
+    ref = state.double()
+    prm = suite.make_params(p0, device, gen)
+    err = num = den = 0.0
+    p1 = Problem(p0.arch, p0.dims, b, 1)
+    for s in range(window // 2 + 1):  # staggered: row i starts decoding at step i % 5
+        inp = suite.make_inputs(p1, device, gen)
+        active = valid & (torch.arange(b, device=device) % 5 <= s)
+        call(p1, cache, torch.where(active, slots, -1), inp, prm, False, backend)
+        ref = torch.where(active.view(-1, 1, 1, 1), reference_step(p1, ref, inp, prm, 0)[1], ref)
+    p = Problem(p0.arch, p0.dims, b, T)
+    par = torch.tensor(parents, device=device, dtype=torch.int32).expand(b, T).contiguous()
+    for _ in range(rounds):
+        inp = suite.make_inputs(p, device, gen)
+        y = call(p, cache, slots, inp, prm, True, backend, parents=par).double()
+        states = []
+        for t in range(T):  # each node from its parent's state
+            yr, st = reference_step(p, ref if parents[t] < 0 else states[parents[t]], inp, prm, t)
+            states.append(st)
+            d = (y[:, t] - yr)[valid]
+            err = max(err, d.abs().max().item())
+            num += d.pow(2).sum().item()
+            den += yr[valid].pow(2).sum().item()
+        leaf = int(torch.randint(0, T, (1,), generator=gen, device=device))
+        path = [leaf]
+        while parents[path[0]] >= 0:
+            path.insert(0, parents[path[0]])
+        n = torch.randint(0, len(path) + 1, (b,), device=device, generator=gen)
+        cache.accept(slots, n, torch.tensor(path + [0] * (T - len(path)), device=device).expand(b, T), backend=backend)
+        at = torch.stack([ref] + [states[i] for i in path], 0)
+        ref = at[n, torch.arange(b, device=device)]
+    serr = (cache.materialize(slots).double() - ref)[valid].abs().max().item()
+    return err, (num / max(den, 1e-300)) ** 0.5, serr

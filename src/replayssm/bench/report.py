@@ -114,7 +114,7 @@ def merge(reports: list) -> dict:
             rows.pop(row_key(row), None)  # a re-measured row moves to the end
             rows[row_key(row)] = row
         for g in rep.get("gate", []):
-            gate[(g.get("arch"), tuple(g.get("dims", ())), g.get("window"), g.get("preset"))] = g
+            gate[(g.get("arch"), tuple(g.get("dims", ())), g.get("window"), g.get("preset"), g.get("tree"))] = g
         for key, entries in rep.get("memory", {}).items():
             for m in entries:
                 memory.setdefault(key, {})[m["preset"]] = m
@@ -180,6 +180,44 @@ class Table:
                     and g.get("preset") == preset and g.get("window", 16) == window):
                 best = g
         return best
+
+
+def tree_lines(t: Table) -> list:
+    """BENCHMARKS.md lines for the ``--trees`` rows: per layer kind and tree size, µs per round of
+    the conventional tree verify (one state per node), and of each preset's tree verify and chain
+    of as many drafts (all accepting the tree's depth), × the conventional tree verify."""
+    L = []
+    for arch in ("mamba2", "gdn"):
+        geo = DEFAULT_MODEL[arch]
+        trees = {}
+        for k, r in t.us.items():
+            if k[0] == arch and k[1] == geo and k[2] == 16 and k[7] in ("tree", "chain"):
+                trees.setdefault((k[3], k[4]), {})[(k[6], k[7], k[5])] = r
+        for (nodes, depth), found in sorted(trees.items()):
+            batches = sorted({b for _, _, b in found})
+            kernels = [("ours", "tree")] + [(p, m) for p in PRESET_ORDER for m in ("tree", "chain")
+                                            if any((p, m, b) in found for b in batches)]
+            rows = []
+            for kernel, mode in kernels:
+                cells = []
+                for b in batches:
+                    r, conv = found.get((kernel, mode, b)), found.get(("ours", "tree", b))
+                    cells.append("–" if r is None else _us(r["us"]) + ("" if conv is None or kernel == "ours" else
+                                                                      f" ({_f(conv['us'] / r['us'])})"))
+                name = ("conventional tree, one state per node" if kernel == "ours" else
+                        f"`{kernel}` tree" if mode == "tree" else f"`{kernel}` chain of {nodes}")
+                rows.append([name] + cells)
+            gates = [g for g in t.rep.get("gate", []) if g.get("tree") == nodes and g.get("arch") == arch]
+            L += ["", f"## {TITLE[arch]} tree verify of {nodes} drafts + accept (µs per round)", "",
+                  f"{GEOMETRIES[geo].model}, geometry `{geo}`, window 16: a binary tree of {nodes} drafts "
+                  f"(breadth first), every round accepting a root path of {depth} (non-contiguous: the accept "
+                  "moves its buffer entries), against the conventional tree verify, which writes one state per "
+                  f"node from its parent's, and a chain of {nodes} drafts accepting {depth}. × = the conventional "
+                  "tree verify's time / this one's. Tree gate against float64 (every node's output along its path): "
+                  + (", ".join(f"`{g['preset']}` {g['rel']:.1e}" for g in gates) or "–")
+                  + ". Commits: " + ", ".join(sorted({f"`{r.get('commit')}`" for r in found.values()})) + ".", ""]
+            L += _md(["kernel"] + [f"b={b}" for b in batches], rows)
+    return L
 
 
 def memory_rows(geos: dict) -> list:
@@ -324,6 +362,8 @@ def benchmarks_md(t: Table, sources: list, same_run: str = "") -> str:
             L += ["", "Commits: " + t.commits(lambda r, a=arch, d=draft: r["arch"] == a and r["geometry"] == geo
                                                and r["window"] == 16 and r["draft"] == d) + "."]
 
+    L += tree_lines(t)
+
     # windows, drafts and accept rates, other geometries
     extra = []
     for arch in ("mamba2", "gdn"):
@@ -386,7 +426,8 @@ def benchmarks_md(t: Table, sources: list, same_run: str = "") -> str:
         L += _md(["preset"] + [f"{TITLE[a]} {c}" for a in geos for c in ("MiB", "×")], mem)
     gate = {}
     for g in rep.get("gate", []):
-        if g.get("window", 16) == 16 and "dims" in g and name_of(g["arch"], g["dims"]) == DEFAULT_MODEL.get(g["arch"]):
+        if (g.get("window", 16) == 16 and "dims" in g and not g.get("tree")
+                and name_of(g["arch"], g["dims"]) == DEFAULT_MODEL.get(g["arch"])):
             gate[(g["arch"], g["preset"])] = g
     if gate:
         L += ["", "## Correctness gate (before any timing)", "",

@@ -50,9 +50,10 @@ def make_cache(p: Problem, num_slots, precision, window, max_draft, device, buff
                                 device=device, buffer_dtype=buffer_dtype)
 
 
-def replay_call(p: Problem, cache, slots, inp, prm, verify: bool, backend=None):
-    """One ReplaySSM decode (T = 1) or verify call; outputs [b, H, P] (decode) or [b, T, H, P]."""
-    y = LAYERS[p.arch].call(cache, slots, inp, prm, verify, backend)
+def replay_call(p: Problem, cache, slots, inp, prm, verify: bool, backend=None, parents=None):
+    """One ReplaySSM decode (T = 1) or verify call (of draft trees with ``parents`` [b, T]);
+    outputs [b, H, P] (decode) or [b, T, H, P]."""
+    y = LAYERS[p.arch].call(cache, slots, inp, prm, verify, backend, parents=parents)
     return y if verify else y[:, 0]
 
 
@@ -62,16 +63,18 @@ def state_shape(p: Problem) -> tuple:
     return (H, P, N)
 
 
-def conventional_call(p: Problem, state, slots, inp, prm, inter=None):
-    """The conventional kernel on the same inputs (prepared the same way as ReplaySSM's)."""
+def conventional_call(p: Problem, state, slots, inp, prm, inter=None, parents=None):
+    """The conventional kernel on the same inputs (prepared the same way as ReplaySSM's); with
+    ``inter`` one state per draft, of a draft tree with ``parents`` int32 [b, T] (Mamba-2, GDN)."""
     if p.arch == "mamba2":
         dt = torch.nn.functional.softplus(inp["dt"] + prm["dt_bias"])
-        y = mamba2_conventional(state, slots, inp["x"], dt, prm["A"], inp["B"], inp["C"], prm["D"], inter)
+        y = mamba2_conventional(state, slots, inp["x"], dt, prm["A"], inp["B"], inp["C"], prm["D"], inter, parents)
         return y * torch.nn.functional.silu(inp["z"].float())
     K = p.dims.N
     q, k = l2norm(inp["q"]) * K ** -0.5, l2norm(inp["k"])
-    kernel = kda_conventional if p.arch == "kda" else gdn_conventional
-    return kernel(state, slots, q, k, inp["v"], inp["g"], inp["beta"].float(), inter)
+    if p.arch == "kda":
+        return kda_conventional(state, slots, q, k, inp["v"], inp["g"], inp["beta"].float(), inter)
+    return gdn_conventional(state, slots, q, k, inp["v"], inp["g"], inp["beta"].float(), inter, parents)
 
 
 def pool_groups(p: Problem, state_bytes_per_elem: float = 4.0, min_bytes: int = 4 * L2_BYTES) -> int:
