@@ -47,7 +47,7 @@ def record_step(arch: str, preset: str, T: int = 1, tree: bool = False):
         b, slots = 2, torch.arange(2)
         parents = dict(parents=torch.tensor([[-1] + [0] * (T - 1)] * b)) if tree else {}
         if arch == "mamba2":
-            c = rs.Mamba2Cache(2, window=16, max_draft=4, precision=preset, **GEOMETRY[arch])
+            c = rs.Mamba2Cache(2, window=16, max_draft=max(4, T), precision=preset, **GEOMETRY[arch])
             H, P, N, G = c.nheads, c.dv, c.dk, c.ngroups
             args = (r(b, T, H, P), r(b, T, H), -torch.rand(H), r(b, T, G, N), r(b, T, G, N), r(H), r(b, T, H, P),
                     torch.zeros(H), True)
@@ -57,7 +57,7 @@ def record_step(arch: str, preset: str, T: int = 1, tree: bool = False):
         else:
             cache_type, decode, verify = {"gdn": (rs.GDNCache, rs.gdn_decode, rs.gdn_verify),
                                           "kda": (rs.KDACache, rs.kda_decode, rs.kda_verify)}[arch]
-            c = cache_type(2, window=16, max_draft=4, precision=preset, **GEOMETRY[arch])
+            c = cache_type(2, window=16, max_draft=max(4, T), precision=preset, **GEOMETRY[arch])
             HK, HV, K, V = c.num_k_heads, c.num_v_heads, c.head_k_dim, c.head_v_dim
             decay = (b, T, HV, K) if arch == "kda" else (b, T, HV)  # KDA: one per key channel
             args = (r(b, T, HK, K), r(b, T, HK, K), r(b, T, HV, V), -torch.rand(*decay), torch.rand(b, T, HV))
