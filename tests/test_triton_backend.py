@@ -307,7 +307,8 @@ def test_step_shapes_follow_the_policy():
     wide = rs.GDNCache(1, 1, 2, 32, 128, precision="s32_rs")
     assert launch.step_shape(wide, "gdn", 1)[:2] == (32, 1) and launch.step_shape(wide, "gdn", 1).split
     four = launch.step_shape(wide, "gdn", 4)
-    assert (four.rows, four.output_dot, four.stream, four.split) == (32, True, 3, False)
+    assert (four.rows, four.output_dot, four.stream, four.split, four.refresh_maxnreg) == (32, True, 3, True, 128)
+    assert not launch.step_shape(wide, "gdn", 4, batch=8).split  # small batches: the refresh a branch
     assert launch.step_shape(wide, "gdn", 3).pin == 16  # the T = 1 entry still applies
     fp4 = rs.GDNCache(1, 1, 2, 32, 128, precision="tp4_hi32")
     assert launch.step_shape(fp4, "gdn", 4).rows == 32 and not launch.step_shape(fp4, "gdn", 4).output_dot

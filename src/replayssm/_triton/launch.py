@@ -326,8 +326,7 @@ class StepShape(NamedTuple):
 #: x a register cap (us per step or round, the entry's figure first):
 #:
 #: - the refresh a branch of the step: Mamba-2 decode from fp32 (309.1 against 351.6 as a launch)
-#:   and 2-byte read copies (229.4 with a 168-register cap, 235.0 without, 236.3 as a launch), GDN
-#:   verify of T >= 4 from fp32 (889.3 against 913.9);
+#:   and 2-byte read copies (229.4 with a 168-register cap, 235.0 without, 236.3 as a launch);
 #: - a launch of its own everywhere else: GDN decode s32_rs 422.3 (branch 443.9), tp16_hi32 375.5
 #:   (393.7), tp8_hi32 340.2 (379.3), tp4_hi32 576.0 (686.8); Mamba-2 tp8_hi32 222.1 (238.5),
 #:   tp4_hi32 400.9 with 4-warp refresh programs (431.5); verify of T = 4: Mamba-2 s32_rs 643.3
@@ -335,8 +334,9 @@ class StepShape(NamedTuple):
 #: - 3 fold stages in flight beat 2 in a launch, 2 beat 1 in a branch (GDN decode 443.9 / 466.0);
 #: - GDN's refresh launch, which lists only the slots due, with a register cap (its loop over them
 #:   took 218 registers): decode s32_rs 390.2 with 128 (168: 391.2, none: 407.4), tp8_hi32 303.5
-#:   (306.7, 323.6), tp16_hi32 341.5 with 168 (128: 344.0); verify of T = 4
-#:   tp16_hi32 836.2 with 168 (128: 852.8, none: 846.2). NVFP4 read copies take none: with a 2-byte
+#:   (306.7, 323.6), tp16_hi32 341.5 with 168 (128: 344.0); verify of T = 4 s32_rs 806.5 with 128
+#:   (168: 813.2, the refresh a branch of the step: 829.5; the step kernel then needs 168 registers
+#:   instead of 252), tp16_hi32 836.2 with 168 (128: 852.8, none: 846.2). NVFP4 read copies take none: with a 2-byte
 #:   anchor (tp4_hi16_sr) a cap of 128 spills 1.4 KB.
 #:
 #: One warp per 32 rows keeps row reductions inside a warp; NVFP4 takes 4 warps (one cannot hide
@@ -352,7 +352,7 @@ SHAPES = {
     ("mamba2", "bf16"): ((1, dict(pin=16, split=False, stages=2, maxnreg=168)), (2, dict(pin=16))),
     ("mamba2", "fp8_e4m3"): ((1, {}),),
     ("mamba2", "nvfp4"): ((1, dict(warps=4, refresh_warps=4)),),
-    ("gdn", "fp32"): ((1, dict(pin=16, refresh_maxnreg=128)), (4, dict(split=False, **_VERIFY_DOT))),
+    ("gdn", "fp32"): ((1, dict(pin=16, refresh_maxnreg=128)), (4, dict(refresh_maxnreg=128, **_VERIFY_DOT))),
     ("gdn", "fp16"): ((1, dict(pin=8, refresh_maxnreg=168)), (4, dict(refresh_maxnreg=168, **_VERIFY_DOT))),
     ("gdn", "bf16"): ((1, dict(pin=16, refresh_maxnreg=168)), (4, dict(refresh_maxnreg=168, **_VERIFY_DOT))),
     ("gdn", "fp8_e4m3"): ((1, dict(refresh_maxnreg=128)), (4, dict(refresh_maxnreg=128, **_VERIFY_DOT))),
