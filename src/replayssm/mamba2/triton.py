@@ -32,8 +32,8 @@ from .._triton.launch import after_previous_launch
 from .._triton.decay import segment_along, softplus
 from .._triton.window import (ancestor_loads, ancestor_masks, draft_view, due_slot, list_due, slot_cursor, slot_row,
                               step_cursor, window_rows, window_scalars)
-from .._triton.formats import (column, load_query, load_read, load_tile, matvec, pin_vector_width,
-                               read_copy_from_anchor, streamed_products, write_checkpoint)
+from .._triton.formats import (load_query, load_read, load_tile, matvec, pin_vector_width, read_copy_from_anchor,
+                               write_checkpoint)
 
 
 @triton.jit
@@ -154,16 +154,14 @@ def _mamba2_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w
 @triton.jit
 def _token_loads(x_ptr, C_ptr, D_ptr, z_ptr, scores_ptr, pid_b, head, group, rv, H, G, T: tl.constexpr,
                  LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, R_FMT: tl.constexpr, HAS_D: tl.constexpr,
-                 HAS_Z: tl.constexpr, STREAM: tl.constexpr):
+                 HAS_Z: tl.constexpr):
     """The new tokens' inputs to a step program, all issued at once: a tuple indexed by s of
     (B_j . C_s [LP], C_s as ``load_query`` gives it, D, x_s [BV], z_s [BV]; D, x_s and z_s zero
-    where not used, C_s zero with STREAM)."""
+    where not used)."""
     tokens_in = ()
     for s in tl.static_range(T):
         q_tok = pid_b * T + s
-        qa, qb = 0.0, 0.0
-        if not STREAM:
-            qa, qb = load_query(C_ptr + (q_tok * G + group) * DK, DK, R_FMT)
+        qa, qb = load_query(C_ptr + (q_tok * G + group) * DK, DK, R_FMT)
         D, xq, zq = 0.0, 0.0, 0.0
         if HAS_D:
             D = tl.load(D_ptr + head).to(tl.float32)
@@ -187,13 +185,9 @@ def _mamba2_step_kernel(
         DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr,
         A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, PIN: tl.constexpr, REFRESH: tl.constexpr,
-        STAGES: tl.constexpr, READ_AFTER: tl.constexpr, TREE: tl.constexpr, STREAM: tl.constexpr, QP: tl.constexpr,
-        PDL: tl.constexpr):
+        STAGES: tl.constexpr, READ_AFTER: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr):
     """TREE: draft s sees the committed entries and its ancestors only (``anc`` [b, T], the
-    scores launch's bitmasks), its decays summed along that path; else a chain. STREAM: every
-    S_read C_s of the step as one 3-pass-tf32 tensor-core product (QP >= T query rows), the read
-    copy streamed through shared memory in 32-column chunks, STREAM of them in flight, instead of
-    a [BV, DK] tile in registers and T row reductions."""
+    scores launch's bitmasks), its decays summed along that path; else a chain."""
     after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -215,29 +209,20 @@ def _mamba2_step_kernel(
     h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
     # the read copy in its own layout (the anchor itself when shared), then everything else a
     # program reads, all issued before any arithmetic so that it waits on memory once
-    if STREAM:
-        ra, rb, rsc = 0.0, 0.0, 0.0
-    else:
-        ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
+    ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
     la = window_scalars(bla_ptr, la_ptr, row, pid_b, h, head, H, T, L, LP)
     dt = window_scalars(bdt_ptr, dt_ptr, row, pid_b, h, head, H, T, L, LP)
     X = window_rows(bx_ptr, x_ptr, row, pid_b, h, head, H, rv, DV, T, L, LP)
     tokens_in = _token_loads(x_ptr, C_ptr, D_ptr, z_ptr, scores_ptr, pid_b, head, group, rv, H, G, T, LP, DV, DK,
-                             R_FMT, HAS_D, HAS_Z, STREAM)
+                             R_FMT, HAS_D, HAS_Z)
     ancestors = ancestor_loads(anc_ptr, pid_b, T, TREE)
     if PIN:
         pin_vector_width(rv_ptr, mat, rv, ck, h < 0, DV, DK, PIN)
-    if STREAM:  # columns: C_0 .. C_{T-1}
-        SQ = streamed_products(rv_ptr, rs_ptr, mat, rv, C_ptr, C_ptr, pid_b, G, group, T, T, DV, DK, R_FMT, QP,
-                               32 if DK >= 32 else DK, STREAM)
     new = (j >= h) & (j < h + T)
     for s in tl.static_range(T):  # y_s = gamma_t S_read q + sum_j gamma_{j+1:t} dt_j (k_j . q) x_j
         q_tok = pid_b * T + s
         scores, qa, qb, D, xq, zq = tokens_in[s]
-        if STREAM:
-            sq = column(SQ, s)
-        else:
-            sq = matvec(ra, rb, rsc, qa, qb, R_FMT)
+        sq = matvec(ra, rb, rsc, qa, qb, R_FMT)
         seen = draft_view(ancestors[s], h, s, LP, TREE)  # j <= h + s for a chain; the sums below run along it
         decay = tl.exp(tl.where(seen, segment_along(la, seen), float("-inf")))  # masked before exp
         w = decay * dt * scores  # [LP]
@@ -302,7 +287,6 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
         cache.scratch_row, H, G,
         T=T, L=cache.window, LP=LP, DV=P, DK=N, BV=shape.rows, FR=FR, KC=KC, HAS_D=D is not None,
         HAS_Z=z is not None, PIN=shape.pin, REFRESH=not shape.split, STAGES=shape.stages, READ_AFTER=read_after,
-        TREE=tree["TREE"], STREAM=shape.stream, QP=max(16, triton.next_power_of_2(T)), num_warps=shape.warps,
-        **extra, **consts)
+        TREE=tree["TREE"], num_warps=shape.warps, **extra, **consts)
     launch.advance(cache, slots, T, commit, {"dt": dt, "log_alpha": log_alpha, "B": B})
     return y
