@@ -339,6 +339,13 @@ class StepShape(NamedTuple):
 #:   instead of 252), tp16_hi32 836.2 with 168 (128: 852.8, none: 846.2). NVFP4 read copies take none: with a 2-byte
 #:   anchor (tp4_hi16_sr) a cap of 128 spills 1.4 KB.
 #:
+#: - verify of T = 4 from fp32, the step kernel's shape (2026-12 sweep, us per round): Mamba-2 1 warp
+#:   639.1 (2 warps 892.4, 4 warps 888.3, 4 warps capped at 80 registers 841.6, 1 warp capped at 200
+#:   807.7; products on tensor cores, streamed: 726.8); GDN streamed products 805.0 (loaded whole
+#:   934.5, row reductions 877.3, a 128-register cap 873.6, 2 warps 862.2, 4 warps 1341.8). At 254
+#:   registers the row-reduction kernels run 8 warps per SM, and every way found to run more costs
+#:   more than it gains.
+#:
 #: One warp per 32 rows keeps row reductions inside a warp; NVFP4 takes 4 warps (one cannot hide
 #: its nibble decoding). GDN verify steps of T >= 4 run their read-copy products on tensor cores,
 #: streamed. The pin: Triton loads an fp32 tile 4 elements per thread and an fp16 tile 8, spreading
