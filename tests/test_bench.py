@@ -268,8 +268,8 @@ def test_tree_acceptance_section_from_its_json(tmp_path):
     path = tmp_path / "trees.json"
     path.write_text(json.dumps(rep))
     text = report.tree_acceptance_section(str(path))
-    assert "| `tiny-m` | n-gram: `C()` / `T()` | 4 | 1.500 / 1.750 | 0.500 / 0.800 | yes |" in text
-    assert "| `tiny-m` | n-gram: `C()` / `T()` | 8 | 2.000 / 1.900 | 1.000 / 0.900 | **no** |" in text
+    assert "| `tiny-m` | `C()` / `T()` | 4 | 1.500 / 1.750 | 0.500 / 0.800 | yes |" in text
+    assert "| `tiny-m` | `C()` / `T()` | 8 | 2.000 / 1.900 | 1.000 / 0.900 | **no** |" in text
     assert "`abc1234`" in text and rep["command"] in text and "64 new tokens" in text
     bench_json = tmp_path / "bench.json"
     bench_json.write_text(json.dumps(_bench_report(256, 0, "all")))

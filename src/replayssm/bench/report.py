@@ -678,7 +678,7 @@ def tree_acceptance_section(trees_json: str) -> str:
                 c, t = by.get((model, b, p["chain"])), by.get((model, b, p["tree"]))
                 if c is None or t is None:
                     continue
-                rows.append([f"`{model}`", f"{p['pair']}: `{p['chain']}` / `{p['tree']}`", str(b),
+                rows.append([f"`{model}`", f"`{p['chain']}` / `{p['tree']}`", str(b),
                              f"{c['tokens_per_step']:.3f} / {t['tokens_per_step']:.3f}",
                              f"{c['accepted_per_verify']:.3f} / {t['accepted_per_verify']:.3f}",
                              "yes" if c["greedy_identical"] and t["greedy_identical"] else "**no**"])
