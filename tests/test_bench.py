@@ -246,6 +246,41 @@ def test_same_run_tables_from_the_comparison_json(tmp_path):
     assert "abc1234" in (tmp_path / "B.md").read_text()
 
 
+def test_tree_acceptance_section_from_its_json(tmp_path):
+    """``report --trees``: one table row per (model, budget, chain / tree pair), chain figure first,
+    greedy-identical from both rows; the command and commit that made the JSON; the option reaches
+    BENCHMARKS.md through ``python -m replayssm.bench.report`` and next to ``replayssm bench``'s
+    own ``--trees``."""
+    import json
+
+    from replayssm.bench import report
+
+    def row(drafter, budget, tps, apv, same=True):
+        return dict(model="tiny-m", budget=budget, drafter=drafter, tokens_per_step=tps, accepted_per_verify=apv,
+                    greedy_identical=same)
+
+    rep = {"command": "PYTHONPATH=src python benchmarks/tree_acceptance.py", "commit": "abc1234",
+           "settings": {"models": ["tiny-m"], "budgets": [4, 8], "new_tokens": 64, "prompts": 2, "prompt_len": 128,
+                        "text": "models/kjv_heldout.txt"},
+           "pairs": [{"pair": "n-gram", "chain": "C()", "tree": "T()"}],
+           "rows": [row("C()", 4, 1.5, 0.5), row("T()", 4, 1.75, 0.8), row("C()", 8, 2.0, 1.0),
+                    row("T()", 8, 1.9, 0.9, same=False)]}
+    path = tmp_path / "trees.json"
+    path.write_text(json.dumps(rep))
+    text = report.tree_acceptance_section(str(path))
+    assert "| `tiny-m` | `C()` / `T()` | 4 | 1.500 / 1.750 | 0.500 / 0.800 | yes |" in text
+    assert "| `tiny-m` | `C()` / `T()` | 8 | 2.000 / 1.900 | 1.000 / 0.900 | **no** |" in text
+    assert "`abc1234`" in text and rep["command"] in text and "64 new tokens" in text
+    bench_json = tmp_path / "bench.json"
+    bench_json.write_text(json.dumps(_bench_report(256, 0, "all")))
+    assert report.main([str(bench_json), "--output", str(tmp_path / "out"), "--markdown", str(tmp_path / "B.md"),
+                        "--readme", "-", "--no-plots", "--trees", str(path)]) == 0
+    md = (tmp_path / "B.md").read_text()
+    assert "## Draft trees against chains on the tiny models" in md and f"--trees {path}" in md
+    assert main_cli(["bench", "--report", str(bench_json), "--output", str(tmp_path / "out"), "--markdown", "-",
+                     "--readme", "-"]) == 0
+
+
 def test_kda_geometries_are_benchmarked():
     """``bench --arch kda`` times Kimi Delta Attention at the Kimi-Linear-48B-A3B geometry; a KDA
     model geometry names its layer kind; ``all`` stays Mamba-2 and GDN."""
