@@ -438,6 +438,5 @@ def test_tree_sweep_rows(tmp_path, monkeypatch, capsys):
     from replayssm.bench import report
 
     text = "\n".join(report.tree_lines(report.Table(report.merge([report.load(str(tmp_path / "bench.json"))]))))
-    assert "Gated DeltaNet tree verify of 8 drafts" in text and "accepting a root path of 3" in text
-    assert "| `s32_rs` tree | 6.0 (5.00) |" in text and "| `s32_rs` chain of 8 | 5.0 (6.00) |" in text
-    assert "| conventional tree, one state per node | 30.0 |" in text and "`s32_rs` 1.0e-08" in text
+    assert "## Tree verify + accept" in text and "Gated DeltaNet 8 drafts `s32_rs` 1.0e-08" in text
+    assert "| Gated DeltaNet | 8 (path of 3) | 256 | 30.0 | 6.0 (5.00) | 5.0 (6.00) |" in text

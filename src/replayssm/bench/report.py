@@ -183,41 +183,41 @@ class Table:
 
 
 def tree_lines(t: Table) -> list:
-    """BENCHMARKS.md lines for the ``--trees`` rows: per layer kind and tree size, µs per round of
-    the conventional tree verify (one state per node), and of each preset's tree verify and chain
-    of as many drafts (all accepting the tree's depth), × the conventional tree verify."""
-    L = []
-    for arch in ("mamba2", "gdn"):
-        geo = DEFAULT_MODEL[arch]
-        trees = {}
-        for k, r in t.us.items():
-            if k[0] == arch and k[1] == geo and k[2] == 16 and k[7] in ("tree", "chain"):
-                trees.setdefault((k[3], k[4]), {})[(k[6], k[7], k[5])] = r
-        for (nodes, depth), found in sorted(trees.items()):
-            batches = sorted({b for _, _, b in found})
-            kernels = [("ours", "tree")] + [(p, m) for p in PRESET_ORDER for m in ("tree", "chain")
-                                            if any((p, m, b) in found for b in batches)]
-            rows = []
-            for kernel, mode in kernels:
-                cells = []
-                for b in batches:
-                    r, conv = found.get((kernel, mode, b)), found.get(("ours", "tree", b))
-                    cells.append("–" if r is None else _us(r["us"]) + ("" if conv is None or kernel == "ours" else
-                                                                      f" ({_f(conv['us'] / r['us'])})"))
-                name = ("conventional tree, one state per node" if kernel == "ours" else
-                        f"`{kernel}` tree" if mode == "tree" else f"`{kernel}` chain of {nodes}")
-                rows.append([name] + cells)
-            gates = [g for g in t.rep.get("gate", []) if g.get("tree") == nodes and g.get("arch") == arch]
-            L += ["", f"## {TITLE[arch]} tree verify of {nodes} drafts + accept (µs per round)", "",
-                  f"{GEOMETRIES[geo].model}, geometry `{geo}`, window 16: a binary tree of {nodes} drafts "
-                  f"(breadth first), every round accepting a root path of {depth} (non-contiguous: the accept "
-                  "moves its buffer entries), against the conventional tree verify, which writes one state per "
-                  f"node from its parent's, and a chain of {nodes} drafts accepting {depth}. × = the conventional "
-                  "tree verify's time / this one's. Tree gate against float64 (every node's output along its path): "
-                  + (", ".join(f"`{g['preset']}` {g['rel']:.1e}" for g in gates) or "–")
-                  + ". Commits: " + ", ".join(sorted({f"`{r.get('commit')}`" for r in found.values()})) + ".", ""]
-            L += _md(["kernel"] + [f"b={b}" for b in batches], rows)
-    return L
+    """BENCHMARKS.md lines for the ``--trees`` rows: one table, a row per layer kind, tree size and
+    batch: µs per round of the conventional tree verify (one state per node), and of each preset's
+    tree verify and chain of as many drafts (all accepting the tree's depth), × the conventional
+    tree verify."""
+    found, gates, commits = {}, [], set()
+    for k, r in t.us.items():
+        arch, geo, window, nodes, depth, batch, kernel, mode = k
+        if window == 16 and mode in ("tree", "chain") and geo == DEFAULT_MODEL.get(arch):
+            found[(arch, nodes, depth, batch, kernel, mode)] = r
+            commits.add(r.get("commit"))
+    if not found:
+        return []
+    presets = [p for p in PRESET_ORDER if any(k[4] == p for k in found)]
+    rows = []
+    for arch, nodes, depth, batch in sorted({k[:4] for k in found}, key=lambda k: (k[0] != "mamba2", *k[1:])):
+        conv = found.get((arch, nodes, depth, batch, "ours", "tree"))
+        cells = [TITLE[arch], f"{nodes} (path of {depth})", str(batch), "–" if conv is None else _us(conv["us"])]
+        for p in presets:
+            for mode in ("tree", "chain"):
+                r = found.get((arch, nodes, depth, batch, p, mode))
+                cells.append("–" if r is None else _us(r["us"]) + ("" if conv is None else
+                                                                  f" ({_f(conv['us'] / r['us'])})"))
+        rows.append(cells)
+    for g in t.rep.get("gate", []):
+        if g.get("tree"):
+            gates.append(f"{TITLE[g['arch']]} {g['tree']} drafts `{g['preset']}` {g['rel']:.1e}")
+    L = ["", "## Tree verify + accept (µs per round)", "",
+         "Model geometries, window 16: a binary tree of the given drafts (breadth first), every round accepting "
+         "its leftmost root path (non-contiguous: the accept moves its buffer entries), against the conventional "
+         "tree verify, which writes one state per node from its parent's, and a chain of as many drafts accepting "
+         "as many. (×) = the conventional tree verify's time / this one's. Tree gate against float64 (every "
+         "node's output along its path): " + ", ".join(gates) + ". Commits: "
+         + ", ".join(f"`{c}`" for c in sorted(commits)) + ".", ""]
+    return L + _md(["layer", "drafts", "batch", "conventional tree"]
+                   + [f"`{p}` {m}" for p in presets for m in ("tree", "chain")], rows)
 
 
 def memory_rows(geos: dict) -> list:
@@ -605,9 +605,10 @@ def same_run_section(peers_json: str, latest_json: str = "") -> tuple[str, str]:
                  "–" if r.get("before") is None else f"{r['before']:.1f}"] for r in latest["rows"]]
         L += ["", f"### Measured again at commit `{latest['commit']}`", "", latest["how"], "",
               "\n".join(_md(["layer", "model", "step", "kernel", "µs now", "µs in the run above"], rows))]
-        readme += (f"\nGated DeltaNet measured again at `{latest['commit']}` (same method, batch 256, staggered): "
-                   + ", ".join(f"`{r['preset']}` {r['step']} {r['us']:.0f} µs" for r in latest["rows"]
-                               if r["arch"] == "gdn") + ".\n")
+        gdn = [f"`{r['preset']}` {r['step']} {r['us']:.0f} µs" for r in latest["rows"] if r["arch"] == "gdn"]
+        if gdn:
+            readme += (f"\nGated DeltaNet measured again at `{latest['commit']}` (same method, batch 256, staggered): "
+                       + ", ".join(gdn) + ".\n")
     return "\n".join(L) + "\n", readme
 
 
