@@ -253,3 +253,56 @@ def test_trained_model_tree_beats_chain_at_equal_budget():
         assert (tree_steps > 0) == (name == "tree")
     print(f"tiny-qwen35-kjv, budget {budget}: forwards chain {steps['chain']}, tree {steps['tree']}")
     assert steps["tree"] < steps["chain"]  # same tokens, fewer forwards: more tokens per step
+
+
+# ---------------------------------------------------------------------------------------------
+# ModelDrafter(dynamic=True): a tree grown best-first by the draft model's path probability
+# ---------------------------------------------------------------------------------------------
+class _TableLM:
+    """A stand-in causal LM over 3 tokens: the next token's probabilities depend on the last token
+    only (``table[last]``)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, table):
+        self.logp = torch.tensor(table, dtype=torch.float64).log()
+
+    def __call__(self, input_ids, use_cache=False):
+        from types import SimpleNamespace
+        return SimpleNamespace(logits=self.logp[input_ids])
+
+
+def test_model_drafter_dynamic_tree_is_best_first():
+    """Worked by hand: after token 2 the draft model is unsure (0.6 / 0.35), after 0 sure (0.9),
+    after 1 fairly sure (0.8). Path probabilities: 0 (0.6), 0 0 (0.54), 0 0 0 (0.486), then 1 (0.35)
+    beats every other offer once the depth cap (3) stops the chain, and 1 1 (0.28) comes next."""
+    lm = _TableLM([[0.9, 0.06, 0.04], [0.1, 0.8, 0.1], [0.6, 0.35, 0.05]])
+    ctx = torch.tensor([1, 2])
+    assert ModelDrafter(lm, k=2, depth=3, dynamic=True)(ctx, 5) == ([0, 0, 0, 1, 1], [-1, 0, 1, -1, 3])
+    # no depth cap: 0.6 * 0.9^j stays above 0.35 for the first 6 nodes: the greedy chain
+    assert ModelDrafter(lm, k=2, dynamic=True)(ctx, 6) == ([0] * 6, [-1, 0, 1, 2, 3, 4])
+    assert ModelDrafter(lm, k=2, dynamic=True)(ctx, 7)[1][-1] == -1  # 0.6 * 0.9^6 = 0.319 < 0.35
+    assert ModelDrafter(lm, k=2, max_nodes=2, dynamic=True)(ctx, 6) == ([0, 0], [-1, 0])
+    assert ModelDrafter(lm, k=1, depth=3, dynamic=True)(ctx, 5) == ([0, 0, 0], [-1, 0, 1])  # k = 1: a chain
+    assert not ModelDrafter(lm, k=1, dynamic=True).drafts_trees
+    assert "dynamic=True" in repr(ModelDrafter(lm, k=2, dynamic=True))
+
+
+def test_model_drafter_dynamic_tree_matches_greedy():
+    """Batch of 3 with left padding; the target's own weights draft (a copy, so each tree holds
+    the target's next token), and the tiny Mamba-2 drafts for the GDN hybrid: both
+    give greedy ``generate``'s tokens."""
+    from test_integration_transformers import MODELS
+
+    model = model_of("qwen3_5")
+    ids, mask = _batched_prompts()
+    ref = _greedy(model, ids, mask, n=NEW).sequences
+    for twin, small in ((True, MODELS["qwen3_5"]()), (False, model_of("mamba2"))):
+        drafter = ModelDrafter(small, k=3, dynamic=True)
+        out, st = _spec(model, ids, mask, drafter, num_draft=5)
+        print(f"{drafter!r}: {st.as_dict()}")
+        assert torch.equal(out, ref)
+        assert st.tree_steps > 0
+        if twin:  # the root's likeliest child is the first node and the target's argmax: each
+            # verify accepts it; the random weights' flat distributions make the tree wide and shallow
+            assert min(st.accepted_per_step) >= 1 and max(st.accepted_per_step) >= 2

@@ -169,9 +169,19 @@ class ModelDrafter:
     frontier, for at most ``depth`` levels (None: until the budget is spent) and at most
     ``max_nodes`` nodes (None: the call's budget; the node count is never above the call's budget,
     so T stays within the cache's ``max_draft``). Returns (tokens, parents).
+
+    dynamic=True: a tree grown best-first by path probability instead of k per level (EAGLE-2's
+    dynamic tree): each node added to the tree offers its k most likely children, scored by its
+    path log-probability (the parent's + log p(child)), and the candidate of highest score among
+    all offered so far is added next, until the node budget (min(budget, max_nodes)) is spent;
+    no node deeper than ``depth`` (None: the budget) is added. A path's score only falls with
+    depth, so the nodes taken are the most probable ones of the top-k tree: the greedy chain
+    while its path stays the most probable, with side branches where the draft model's top-1
+    probability is low. One draft-model forward per node expanded (batch 1, the whole context).
     """
 
-    def __init__(self, model, k: int = 1, depth: int | None = None, max_nodes: int | None = None):
+    def __init__(self, model, k: int = 1, depth: int | None = None, max_nodes: int | None = None,
+                 dynamic: bool = False):
         if not isinstance(k, int) or k < 1:
             raise ValueError(f"k must be an int >= 1, got {k!r}")
         if depth is not None and depth < 1:
@@ -179,11 +189,48 @@ class ModelDrafter:
         if max_nodes is not None and max_nodes < 1:
             raise ValueError(f"max_nodes must be None or >= 1, got {max_nodes!r}")
         self.model, self.k, self.depth, self.max_nodes = model, k, depth, max_nodes
+        self.dynamic = bool(dynamic)
         self.drafts_trees = k > 1
 
     def __repr__(self):
-        return f"ModelDrafter({type(self.model).__name__}, k={self.k}, depth={self.depth}, max_nodes={self.max_nodes})"
+        extra = ", dynamic=True" if self.dynamic else ""
+        return (f"ModelDrafter({type(self.model).__name__}, k={self.k}, depth={self.depth}, "
+                f"max_nodes={self.max_nodes}{extra})")
 
+    def _next_logp(self, ids, path):
+        """The draft model's next-token log-probabilities after the context ``ids`` [1, n] and
+        ``path`` (token ids): float [vocab]."""
+        x = torch.cat([ids, torch.tensor([path], dtype=ids.dtype, device=ids.device)], 1) if path else ids
+        return self.model(input_ids=x, use_cache=False).logits[0, -1].float().log_softmax(-1)
+
+    def _best_first(self, ids, nodes: int, levels: int):
+        """The dynamic tree (class docstring): (tokens, parents) of at most ``nodes`` nodes, none
+        deeper than ``levels``."""
+        import heapq
+
+        toks, parents, paths, depth = [], [], [], []
+        heap, order = [], 0  # entries (-score, order, parent node, token): candidates offered so far
+
+        def offer(node, score, path):
+            nonlocal order
+            logp = self._next_logp(ids, path)
+            top = logp.topk(min(self.k, logp.shape[-1]))
+            for v, t in zip(top.values.tolist(), top.indices.tolist()):
+                heapq.heappush(heap, (-(score + v), order, node, t))
+                order += 1  # ties: the earlier offer, and the likelier child, first
+
+        offer(-1, 0.0, [])
+        while heap and len(toks) < nodes:
+            neg, _, parent, t = heapq.heappop(heap)
+            d = 1 if parent < 0 else depth[parent] + 1
+            node = len(toks)
+            toks.append(t)
+            parents.append(parent)
+            paths.append(([] if parent < 0 else paths[parent]) + [t])
+            depth.append(d)
+            if d < levels and len(toks) < nodes:
+                offer(node, -neg, paths[node])
+        return toks, parents
     @torch.no_grad()
     def __call__(self, tokens, budget: int):
         nodes = budget if self.max_nodes is None else min(budget, self.max_nodes)
@@ -191,6 +238,8 @@ class ModelDrafter:
         if levels <= 0:
             return []
         ids = tokens.reshape(1, -1).to(self.model.device)
+        if self.dynamic:
+            return self._best_first(ids, nodes, levels)
         if self.k == 1:
             out = self.model.generate(ids, max_new_tokens=levels, do_sample=False, num_beams=1,
                                       attention_mask=torch.ones_like(ids), pad_token_id=0)
