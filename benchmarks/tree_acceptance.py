@@ -16,7 +16,9 @@ node budget:
   the budget: the first match's continuation takes the whole budget when it is long enough, so the
   trie is mostly that one chain);
 - ``ModelDrafter(other, k=1)`` (the other tiny model's greedy chain) against
-  ``ModelDrafter(other, k=2)`` and ``ModelDrafter(other, k=3)`` (top-k trees of k nodes per level).
+  ``ModelDrafter(other, k=2)`` and ``ModelDrafter(other, k=3)`` (top-k trees of k nodes per level)
+  and ``ModelDrafter(other, k=3, dynamic=True)`` (the tree grown best-first by the draft model's
+  path probability, each node offering its 3 likeliest children, no depth cap but the budget).
 
 Figures per (model, drafter, budget), summed over the prompts: tokens_per_step = (new tokens - 1
 per prompt, which comes from the prefill) / model forwards after the prefill; accepted_per_verify
@@ -52,6 +54,7 @@ DRAFTERS = {
     "ModelDrafter(k=1)": ("chain", lambda b, dm: ModelDrafter(dm, k=1)),
     "ModelDrafter(k=2)": ("tree", lambda b, dm: ModelDrafter(dm, k=2)),
     "ModelDrafter(k=3)": ("tree", lambda b, dm: ModelDrafter(dm, k=3)),
+    "ModelDrafter(k=3, dynamic=True)": ("tree", lambda b, dm: ModelDrafter(dm, k=3, dynamic=True)),
 }
 #: (pair name, chain label, tree label)
 PAIRS = [
@@ -59,6 +62,7 @@ PAIRS = [
     ("n-gram, trie of full depth", "NGramDrafter()", "NGramTreeDrafter()"),
     ("draft model, top-2 tree", "ModelDrafter(k=1)", "ModelDrafter(k=2)"),
     ("draft model, top-3 tree", "ModelDrafter(k=1)", "ModelDrafter(k=3)"),
+    ("draft model, dynamic tree", "ModelDrafter(k=1)", "ModelDrafter(k=3, dynamic=True)"),
 ]
 
 
