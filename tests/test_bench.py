@@ -281,6 +281,34 @@ def test_tree_acceptance_section_from_its_json(tmp_path):
                      "--readme", "-"]) == 0
 
 
+
+def test_tree_acceptance_section_groups_trees_of_one_chain(tmp_path):
+    """Pairs that share a chain make one row: the chain's figure, then each tree's in the pairs'
+    order; greedy-identical only if all of them are; a tree without rows is left out."""
+    import json
+
+    from replayssm.bench import report
+
+    def row(drafter, tps, apv, same=True):
+        return dict(model="tiny-m", budget=8, drafter=drafter, tokens_per_step=tps, accepted_per_verify=apv,
+                    greedy_identical=same)
+
+    rep = {"command": "c", "commit": "abc1234",
+           "settings": {"models": ["tiny-m"], "budgets": [8], "new_tokens": 64, "prompts": 2, "prompt_len": 128,
+                        "text": "t.txt"},
+           "pairs": [{"pair": "a", "chain": "C()", "tree": "T(2)"}, {"pair": "b", "chain": "C()", "tree": "T(3)"},
+                     {"pair": "c", "chain": "C()", "tree": "Missing()"},
+                     {"pair": "d", "chain": "D()", "tree": "U()"}],
+           "rows": [row("C()", 5.0, 4.0), row("T(2)", 4.0, 3.0), row("T(3)", 5.5, 4.5),
+                    row("D()", 1.5, 0.5), row("U()", 1.75, 0.75, same=False)]}
+    path = tmp_path / "trees.json"
+    path.write_text(json.dumps(rep))
+    text = report.tree_acceptance_section(str(path))
+    assert "| `tiny-m` | `C()` / `T(2)`, `T(3)` | 8 | 5.000 / 4.000, 5.500 | 4.000 / 3.000, 4.500 | yes |" in text
+    assert "| `tiny-m` | `D()` / `U()` | 8 | 1.500 / 1.750 | 0.500 / 0.750 | **no** |" in text
+    assert text.count("| `tiny-m` |") == 2
+
+
 def test_kda_geometries_are_benchmarked():
     """``bench --arch kda`` times Kimi Delta Attention at the Kimi-Linear-48B-A3B geometry; a KDA
     model geometry names its layer kind; ``all`` stays Mamba-2 and GDN."""
