@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     budgets = [int(b) for b in args.budgets.split(",") if b]
     names = [m for m in args.models.split(",") if m]
-    labels = [d for d in args.drafters.split(",") if d]
+    labels = [d.strip() for d in re.split(r",(?![^()]*\))", args.drafters) if d.strip()]  # not inside (..)
     for d in labels:
         if d not in DRAFTERS:
             ap.error(f"unknown drafter {d!r}; known: {', '.join(DRAFTERS)}")
