@@ -26,7 +26,7 @@ per prompt, which comes from the prefill) / model forwards after the prefill; ac
 (``--out``): {"command", "commit", "environment", "settings", "pairs", "rows", "runtime_s"}; a
 table is printed. Exit code 1 if any output differs from greedy ``generate``'s.
 
-Runtime: 3.5 to 5 minutes on 2 CPU cores with the defaults, by load (one thread: the tensors are too small
+Runtime: about 6 minutes on 2 CPU cores with the defaults (363 s measured), by load (one thread: the tensors are too small
 for threads to help).
 """
 from __future__ import annotations
