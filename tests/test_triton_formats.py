@@ -2,6 +2,8 @@
 
 Runs the Triton code under TRITON_INTERPRET=1 on the CPU (set in conftest for triton tests).
 """
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -24,8 +26,8 @@ def _roundtrip_kernel(x_ptr, v_ptr, s_ptr, g_ptr, load_ptr, q_ptr, mv_ptr, seed_
     tl.debug_barrier()
     back = tf.load_tile(v_ptr, s_ptr, g_ptr, mat, mat, rv, ck, DV, DK, FMT)
     tl.store(load_ptr + (mat * DV + rv[:, None]) * DK + ck[None, :], back)
-    ra, rb, rsc = tf.load_read(v_ptr, s_ptr, g_ptr, mat, mat, rv, DV, DK, FMT)
-    qa, qb = tf.load_query(q_ptr, DK, FMT)
+    ra, rb, rsc = tf.load_read(v_ptr, s_ptr, g_ptr, mat, mat, rv, DV, DK, DK, FMT)
+    qa, qb = tf.load_query(q_ptr, DK, DK, FMT)
     tl.store(mv_ptr + mat * DV + rv, tf.matvec(ra, rb, rsc, qa, qb, FMT))
 
 
@@ -68,6 +70,76 @@ def test_kernel_encode_matches_torch_bit_for_bit(name, rounding):
                         t.reshape(-1).view(torch.int16 if t.element_size() == 2 else torch.int32)), key
     ref = fmt.decode(want, DK)
     torch.testing.assert_close(back, ref, rtol=0, atol=0, equal_nan=True)
+
+
+@triton.jit
+def _padded_roundtrip_kernel(x_ptr, v_ptr, s_ptr, g_ptr, load_ptr, q_ptr, mv_ptr, seed_ptr, stream,
+                             DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, CH: tl.constexpr,
+                             FMT: tl.constexpr, SR: tl.constexpr):
+    """The round trip of ``_roundtrip_kernel`` for rows of DK columns in tiles of DKP (padded to a
+    power of two), stored and loaded CH columns at a time as a refresh's passes do; the padding of
+    the tile is NaN on the way in, so an encode that let it into a scale block would show."""
+    mat = tl.program_id(0)
+    rv = tl.arange(0, DV)
+    seed = tl.load(seed_ptr + mat)
+    for c in tl.static_range((DK + CH - 1) // CH):
+        ck = c * CH + tl.arange(0, CH)
+        S = tl.load(x_ptr + (mat * DV + rv[:, None]) * DK + ck[None, :], mask=ck[None, :] < DK, other=float("nan"))
+        tf.store_tile(S, v_ptr, s_ptr, g_ptr, mat, mat, mat % 3, rv, ck, seed, stream, DV, DK, FMT, SR)
+    tl.debug_barrier()
+    for c in tl.static_range((DK + CH - 1) // CH):
+        ck = c * CH + tl.arange(0, CH)
+        back = tf.load_tile(v_ptr, s_ptr, g_ptr, mat, mat, rv, ck, DV, DK, FMT)
+        tl.store(load_ptr + (mat * DV + rv[:, None]) * DK + ck[None, :], back, mask=ck[None, :] < DK)
+    ra, rb, rsc = tf.load_read(v_ptr, s_ptr, g_ptr, mat, mat, rv, DV, DK, DKP, FMT)
+    qa, qb = tf.load_query(q_ptr, DK, DKP, FMT)
+    tl.store(mv_ptr + mat * DV + rv, tf.matvec(ra, rb, rsc, qa, qb, FMT))
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp16", "bf16", "fp8_e4m3", "nvfp4"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("DK", [5, 24, 40])
+def test_kernel_encode_of_rows_in_padded_tiles_matches_torch_bit_for_bit(name, rounding, DK):
+    """dk that is no power of two, and not a multiple of a scale block (5, 24, 40: fp8 rows of one
+    and two 32-element blocks, NVFP4 rows of one to three 16-element blocks): every part, padding
+    bytes included, bit for bit as ``replayssm.formats`` encodes it, in 32-column passes (fp8's
+    block) or whole rows (NVFP4's global scale); decoded tiles and products with a query exact or
+    to rounding."""
+    from replayssm._triton import launch
+
+    g = torch.Generator().manual_seed(8 + DK)
+    mats, DV = 4, 8
+    x = torch.randn(mats, DV, DK, generator=g) * torch.logspace(-2, 1, DK)[None, None, :]
+    if name != "nvfp4":  # (the interpreter casts a NaN to e4m3 as 384: NVFP4's NaN block scale is GPU-only)
+        x[1, 2, DK // 2] = float("nan")  # one bad block
+    seeds = torch.randint(0, 2**40, (mats,), generator=g)
+    fmt = formats.get_format(name)
+    parts = fmt.allocate(x.shape, "cpu", fill=float("nan"))  # storage never written shows
+    dummy = torch.zeros(1)
+    v, s, gs = parts["values"], parts.get("scales", dummy), parts.get("global_scale", dummy)
+    DKP = launch.column_pad(SimpleNamespace(dk=DK, precision=SimpleNamespace(anchor=fmt, read_format=fmt)))
+    CH = DKP if name == "nvfp4" else min(DKP, 32)
+    back = torch.empty_like(x)
+    q = torch.randn(DK, generator=g)
+    mv = torch.empty(mats, DV)
+    _padded_roundtrip_kernel[(mats,)](x, v, s, gs, back, q, mv, seeds, 5, DV, DK, DKP, CH, tf.FMT_IDS[name],
+                                      rounding == "stochastic")
+    heads = torch.arange(mats) % 3
+    offsets = (heads[:, None, None] * DV + torch.arange(DV)[None, :, None]) * DK + torch.arange(DK)
+    bits = formats.random_bits(seeds[:, None, None], 5, offsets)
+    want = fmt.encode(x, rounding, bits if rounding == "stochastic" else None)
+    for key, t in want.items():  # bit for bit, NaN for NaN (whose payload no format defines)
+        got = parts[key]
+        nan = torch.isnan(t.float()) if t.is_floating_point() else torch.zeros_like(t, dtype=torch.bool)
+        assert torch.equal(torch.isnan(got.float()) if got.is_floating_point() else nan, nan), key
+        same = got.contiguous().view(torch.uint8) == t.contiguous().view(torch.uint8)
+        assert same.view(*t.shape, -1).all(-1)[~nan].all(), key
+    ref = fmt.decode(want, DK)
+    torch.testing.assert_close(back, ref, rtol=0, atol=0, equal_nan=True)
+    good = ~torch.isnan(ref).any(-1)  # rows without the bad block
+    prod = (ref.double() @ q.double()).float()
+    torch.testing.assert_close(mv[good], prod[good], rtol=1e-5, atol=1e-5 * prod[good].abs().max().item())
+    assert torch.isnan(mv[~good]).all() and (name == "nvfp4" or not good.all())
 
 
 @triton.jit

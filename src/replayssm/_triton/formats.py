@@ -6,13 +6,48 @@ counter-based random bits, so that encoding an identical fp32 tile gives identic
 backends. Format ids (constexpr ``FMT``): 0 fp32, 1 fp16, 2 bf16, 3 fp8-e4m3 (32-element fp32
 block scales), 4 NVFP4 (16-element e4m3 scales + fp32 global scale per matrix).
 A tile is one [BV, BK] block of one (slot, head) matrix: BV rows, and all dk columns or BK
-contiguous ones from a multiple of 32.
+contiguous ones from a multiple of 32. Tiles are a power of two wide (``DKP``, ``launch.column_pad``):
+columns from dk on are padding, masked to zero on loads and never stored past the row's stored width
+(``stored_width``: fp8 and NVFP4 rows hold whole scale blocks, their padding encoded as zeros, as
+``replayssm.formats`` pads them). Where a tile is full its masks are constants (``below``), so the
+kernels compile as they would without them.
 """
 import triton
 import triton.language as tl
 
 FMT_IDS = {"fp32": 0, "fp16": 1, "bf16": 2, "fp8_e4m3": 3, "nvfp4": 4}
 M32 = 0xFFFFFFFF
+
+
+@triton.constexpr_function
+def stored_width(DK, FMT):
+    """Elements of a stored row of a state matrix in format FMT: dk, rounded up to whole scale
+    blocks for fp8 (32) and NVFP4 (16), as ``replayssm.formats`` lays rows out."""
+    block = {3: 32, 4: 16}.get(FMT, 1)
+    return -(-DK // block) * block
+
+
+@triton.jit
+def below(idx, N: tl.constexpr, FULL: tl.constexpr):
+    """idx < N; a constant true when FULL (every index of the tile is known to be below N), so
+    that a full tile's masked loads and stores compile as unmasked ones."""
+    if FULL:
+        ok = tl.full(idx.shape, 1, tl.int1)
+    else:
+        ok = idx < N
+    return ok
+
+
+@triton.constexpr_function
+def _divides(BK, N):
+    return N % BK == 0
+
+
+@triton.jit
+def within(idx, N: tl.constexpr):
+    """``below`` for a tile of BK consecutive indices [BK] that starts at a multiple of BK: known
+    full where N is a multiple of BK (all of dk, a column chunk of it, a block of rows)."""
+    return below(idx, N, _divides(idx.shape[0], N))
 
 
 @triton.jit
@@ -92,24 +127,27 @@ def grid_round(y, r24, M: tl.constexpr, EMIN: tl.constexpr, MAXV: tl.constexpr, 
 
 @triton.jit
 def load_tile(v_ptr, s_ptr, g_ptr, mat, gidx, rv, ck, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr):
-    """Rows ``rv`` [BV] x columns ``ck`` [BK] of matrix ``mat`` decoded to fp32: all DK columns,
-    or BK contiguous ones starting at a multiple of 32 (``gidx``: the NVFP4 global-scale index of
-    this row block)."""
+    """Rows ``rv`` [BV] x columns ``ck`` [BK] of matrix ``mat`` decoded to fp32: all DK columns
+    (a tile of DKP), or BK contiguous ones starting at a multiple of 32 (``gidx``: the NVFP4
+    global-scale index of this row block); columns from DK on are zero."""
     row = mat * DV + rv[:, None]
+    W: tl.constexpr = stored_width(DK, FMT)
+    ok = within(ck, DK)[None, :]
     if FMT <= 2:
-        return tl.load(v_ptr + row * DK + ck[None, :]).to(tl.float32)
+        return tl.load(v_ptr + row * DK + ck[None, :], mask=ok, other=0.0).to(tl.float32)
     elif FMT == 3:
-        vals = tl.load(v_ptr + row * DK + ck[None, :]).to(tl.float32)
-        return vals * tl.load(s_ptr + row * (DK // 32) + ck[None, :] // 32)
+        vals = tl.load(v_ptr + row * W + ck[None, :], mask=ok, other=0.0).to(tl.float32)
+        return vals * tl.load(s_ptr + row * (W // 32) + ck[None, :] // 32, mask=ok, other=0.0)
     else:
         BK: tl.constexpr = ck.shape[0]
         half = tl.min(ck, 0) // 2 + tl.arange(0, BK // 2)
-        byte = tl.load(v_ptr + row * (DK // 2) + half[None, :]).to(tl.int16)
+        byte = tl.load(v_ptr + row * (W // 2) + half[None, :], mask=within(half, (DK + 1) // 2)[None, :],
+                       other=0).to(tl.int16)
         lo = (((byte & 8) << 12) | ((byte & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
         hi = (((byte & 128) << 8) | ((byte & 112) << 5)).to(tl.float16, bitcast=True).to(tl.float32)
         # fp16 bit patterns of e2m1 codes are the values times 2**-14
         vals = tl.reshape(tl.join(lo, hi), (rv.shape[0], BK)) * 16384.0
-        scale = tl.load(s_ptr + row * (DK // 16) + ck[None, :] // 16).to(tl.float32)
+        scale = tl.load(s_ptr + row * (W // 16) + ck[None, :] // 16, mask=ok, other=0.0).to(tl.float32)
         return (vals * scale) * tl.load(g_ptr + gidx)
 
 
@@ -135,18 +173,22 @@ def pin_vector_width(ptr, mat, rv, ck, never, DV: tl.constexpr, DK: tl.constexpr
 def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
                DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr, SR: tl.constexpr):
     """Encode fp32 tile S [BV, BK] (rows rv, columns ck of matrix ``mat``) into format FMT and
-    store it: all DK columns, or BK contiguous ones from a multiple of 32 (one fp8 scale block
-    each), except NVFP4, whose tile is one whole global-scale row block, stored at ``gidx``.
-    Stochastic rounding is keyed by (seed, stream, logical element index)."""
+    store it: all DK columns (a tile of DKP), or BK contiguous ones from a multiple of 32 (one fp8
+    scale block each), except NVFP4, whose tile is one whole global-scale row block, stored at
+    ``gidx``. Columns from DK on encode as zeros (the padding of fp8 and NVFP4 rows) and are not
+    stored past the row's stored width. Stochastic rounding is keyed by (seed, stream, logical
+    element index)."""
     BV: tl.constexpr = S.shape[0]
     BK: tl.constexpr = S.shape[1]
+    W: tl.constexpr = stored_width(DK, FMT)
     row = mat * DV + rv[:, None]
+    S = tl.where(within(ck, DK)[None, :], S, 0.0)  # exact zeros, as replayssm.formats pads
     r24 = tl.zeros((BV, BK), dtype=tl.int64)
     if SR:
         offset = (head.to(tl.int64) * DV + rv[:, None]) * DK + ck[None, :]  # logical, not the storage row
         r24 = (random_u32(seed, stream, offset) >> 8) & 0xFFFFFF
     if FMT == 0:
-        tl.store(v_ptr + row * DK + ck[None, :], S)
+        tl.store(v_ptr + row * DK + ck[None, :], S, mask=within(ck, DK)[None, :])
     elif FMT <= 2:
         if FMT == 1:
             MAXV: tl.constexpr = 65504.0
@@ -162,7 +204,7 @@ def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
             y = grid_round(S, r24, M, EMIN, MAXV, SR)
         y = tl.where(tl.abs(S) < float("inf"), y, S)  # NaN and inf pass through
         v = y.to(v_ptr.dtype.element_ty)
-        tl.store(v_ptr + row * DK + ck[None, :], v)
+        tl.store(v_ptr + row * DK + ck[None, :], v, mask=within(ck, DK)[None, :])
     elif FMT == 3:
         NB: tl.constexpr = BK // 32
         X = tl.reshape(S, (BV, NB, 32))
@@ -176,11 +218,11 @@ def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
         y = tl.reshape(y, (BV, BK))
         # rounded on the e4m3 grid here, so the cast is exact on every backend
         v = grid_round(y, r24, 3, -6, 448.0, SR).to(tl.float8e4nv)
-        tl.store(v_ptr + row * DK + ck[None, :], v)
+        tl.store(v_ptr + row * W + ck[None, :], v, mask=within(ck, W)[None, :])
         sb = tl.min(ck, 0) // 32 + tl.arange(0, NB)
-        tl.store(s_ptr + row * (DK // 32) + sb[None, :], scale)
+        tl.store(s_ptr + row * (W // 32) + sb[None, :], scale, mask=within(sb, W // 32)[None, :])
     else:
-        NB: tl.constexpr = DK // 16
+        NB: tl.constexpr = BK // 16
         fin = tl.abs(S) < float("inf")
         gs = tl.max(tl.max(tl.where(fin, tl.abs(S), 0.0), axis=1), axis=0)
         gs = tl.math.div_rn(gs, 2688.0)
@@ -196,62 +238,76 @@ def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
         ok = denom > 0
         y = tl.where(ok[:, :, None],
                      tl.math.div_rn(X, tl.broadcast_to(tl.where(ok, denom, 1.0)[:, :, None], (BV, NB, 16))), 0.0)
-        q = grid_round(tl.reshape(y, (BV, DK)), r24, 1, 0, 6.0, SR)
+        q = grid_round(tl.reshape(y, (BV, BK)), r24, 1, 0, 6.0, SR)
         mag = tl.abs(q)
         idx = tl.where(mag <= 2.0, mag * 2.0, tl.where(mag < 6.0, mag + 2.0, 7.0)).to(tl.int32)
         code = idx | ((q.to(tl.int32, bitcast=True) >> 28) & 8)
-        even, odd = tl.split(tl.reshape(code, (BV, DK // 2, 2)))
-        half = tl.arange(0, DK // 2)
-        tl.store(v_ptr + row * (DK // 2) + half[None, :], (even | (odd << 4)).to(tl.uint8))
+        even, odd = tl.split(tl.reshape(code, (BV, BK // 2, 2)))
+        half = tl.arange(0, BK // 2)
+        tl.store(v_ptr + row * (W // 2) + half[None, :], (even | (odd << 4)).to(tl.uint8),
+                 mask=within(half, W // 2)[None, :])
         sb = tl.arange(0, NB)
-        tl.store(s_ptr + (mat * DV + rv[:, None]) * NB + sb[None, :], s.to(tl.float8e4nv))
+        tl.store(s_ptr + row * (W // 16) + sb[None, :], s.to(tl.float8e4nv), mask=within(sb, W // 16)[None, :])
         tl.store(g_ptr + gidx, gs)
 
 
 @triton.jit
-def load_read(v_ptr, s_ptr, g_ptr, mat, gidx, rv, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr):
+def load_read(v_ptr, s_ptr, g_ptr, mat, gidx, rv, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
+              FMT: tl.constexpr):
     """Rows ``rv`` of a read copy in the format's own layout, for ``matvec``: (values_a,
-    values_b, scale). fp32/16/bf16: ([BV, DK], same, 1). fp8: ([BV, DK/32, 32], same, block
-    scales [BV, DK/32]). NVFP4: (even elements [BV, DK/16, 8], odd elements, block scale x
-    global scale [BV, DK/16]). Nothing is expanded to [BV, DK] with per-element scale loads."""
+    values_b, scale). fp32/16/bf16: ([BV, DKP], same, 1). fp8: ([BV, DKP/32, 32], same, block
+    scales [BV, DKP/32]). NVFP4: (even elements [BV, DKP/16, 8], odd elements, block scale x
+    global scale [BV, DKP/16]). Nothing is expanded to [BV, DKP] with per-element scale loads.
+    Columns past the stored row are zero (fp8 and NVFP4 read whole stored blocks, whose padding
+    holds zeros)."""
     row = mat * DV + rv
+    W: tl.constexpr = stored_width(DK, FMT)
     if FMT <= 2:
-        ck = tl.arange(0, DK)
-        v = tl.load(v_ptr + row[:, None] * DK + ck[None, :]).to(tl.float32)
+        ck = tl.arange(0, DKP)
+        v = tl.load(v_ptr + row[:, None] * DK + ck[None, :], mask=within(ck, DK)[None, :], other=0.0).to(tl.float32)
         return v, v, 1.0
     elif FMT == 3:
-        NB: tl.constexpr = DK // 32
+        NB: tl.constexpr = DKP // 32
         nb = tl.arange(0, NB)
         e = tl.arange(0, 32)
-        v = tl.load(v_ptr + row[:, None, None] * DK + nb[None, :, None] * 32 + e[None, None, :]).to(tl.float32)
-        sc = tl.load(s_ptr + row[:, None] * NB + nb[None, :])
+        ok = within(nb, W // 32)[None, :]
+        v = tl.load(v_ptr + row[:, None, None] * W + nb[None, :, None] * 32 + e[None, None, :], mask=ok[:, :, None],
+                    other=0.0).to(tl.float32)
+        sc = tl.load(s_ptr + row[:, None] * (W // 32) + nb[None, :], mask=ok, other=0.0)
         return v, v, sc
     else:
-        NB: tl.constexpr = DK // 16
+        NB: tl.constexpr = DKP // 16
         nb = tl.arange(0, NB)
         e = tl.arange(0, 8)
-        byte = tl.load(v_ptr + row[:, None, None] * (DK // 2) + nb[None, :, None] * 8 + e[None, None, :])
+        ok = within(nb, W // 16)[None, :]
+        byte = tl.load(v_ptr + row[:, None, None] * (W // 2) + nb[None, :, None] * 8 + e[None, None, :],
+                       mask=ok[:, :, None], other=0)
         byte = byte.to(tl.int16)
         # the fp16 bit pattern of an e2m1 code is its value times 2**-14 (folded into the scale)
         lo = (((byte & 8) << 12) | ((byte & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
         hi = (((byte & 128) << 8) | ((byte & 112) << 5)).to(tl.float16, bitcast=True).to(tl.float32)
-        sc = tl.load(s_ptr + row[:, None] * NB + nb[None, :]).to(tl.float32) * (tl.load(g_ptr + gidx) * 16384.0)
+        sc = tl.load(s_ptr + row[:, None] * (W // 16) + nb[None, :], mask=ok, other=0.0).to(tl.float32) * (
+            tl.load(g_ptr + gidx) * 16384.0)
         return lo, hi, sc
 
 
 @triton.jit
-def load_query(ptr, DK: tl.constexpr, FMT: tl.constexpr):
-    """A query vector of DK elements at ``ptr`` as fp32, in the layout ``matvec`` pairs with
-    ``load_read``'s values: [DK]; [DK/32, 32]; or (even, odd) [DK/16, 8]."""
+def load_query(ptr, DK: tl.constexpr, DKP: tl.constexpr, FMT: tl.constexpr):
+    """A query vector of DK elements at ``ptr`` as fp32, zero-padded to DKP, in the layout
+    ``matvec`` pairs with ``load_read``'s values: [DKP]; [DKP/32, 32]; or (even, odd) [DKP/16, 8]."""
+    FULL: tl.constexpr = DKP == DK
     if FMT <= 2:
-        q = tl.load(ptr + tl.arange(0, DK)).to(tl.float32)
+        off = tl.arange(0, DKP)
+        q = tl.load(ptr + off, mask=below(off, DK, FULL), other=0.0).to(tl.float32)
         return q, q
     elif FMT == 3:
-        q = tl.load(ptr + tl.arange(0, DK // 32)[:, None] * 32 + tl.arange(0, 32)[None, :]).to(tl.float32)
+        nb, e = tl.arange(0, DKP // 32)[:, None], tl.arange(0, 32)[None, :]
+        q = tl.load(ptr + nb * 32 + e, mask=below(nb * 32 + e, DK, FULL), other=0.0).to(tl.float32)
         return q, q
     else:
-        off = tl.arange(0, DK // 16)[:, None] * 16 + 2 * tl.arange(0, 8)[None, :]
-        return tl.load(ptr + off).to(tl.float32), tl.load(ptr + off + 1).to(tl.float32)
+        off = tl.arange(0, DKP // 16)[:, None] * 16 + 2 * tl.arange(0, 8)[None, :]
+        return (tl.load(ptr + off, mask=below(off, DK, FULL), other=0.0).to(tl.float32),
+                tl.load(ptr + off + 1, mask=below(off + 1, DK, FULL), other=0.0).to(tl.float32))
 
 
 @triton.jit
@@ -294,18 +350,21 @@ def streamed_products(v_ptr, s_ptr, mat, rv, a_ptr, b_ptr, pid_b, NH, hidx, T: t
     chunks in flight through shared memory), so a program holds one [BV, KB] chunk instead of
     [BV, DK]. Query row r < T is token r of ``a_ptr``, T <= r < ROWS (ROWS = T or 2T) token
     r - T of ``b_ptr`` (both [b, T, NH, DK], head ``hidx``), other rows zero. Element-wise
-    formats and fp8 (KB = 32: one block scale per row and chunk); not NVFP4."""
+    formats and fp8 (KB = 32: one block scale per row and chunk); not NVFP4. The last chunk is
+    zero from column DK on."""
     row = mat * DV + rv
+    W: tl.constexpr = stored_width(DK, FMT)
     r = tl.arange(0, QP)[:, None]
     at = ((pid_b * T + r % T) * NH + hidx) * DK
     acc = tl.zeros((rv.shape[0], QP), dtype=tl.float32)
     for k0 in tl.range(0, DK, KB, num_stages=STAGES):
         cols = k0 + tl.arange(0, KB)
-        S = tl.load(v_ptr + row[:, None] * DK + cols[None, :]).to(tl.float32)
+        ok = within(cols, DK)[None, :]
+        S = tl.load(v_ptr + row[:, None] * W + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         if FMT == 3:
-            S = S * tl.load(s_ptr + row * (DK // 32) + k0 // 32)[:, None]
-        Q = tl.where(r < T, tl.load(a_ptr + at + cols[None, :], mask=r < T, other=0.0),
-                     tl.load(b_ptr + at + cols[None, :], mask=(r >= T) & (r < ROWS), other=0.0)).to(tl.float32)
+            S = S * tl.load(s_ptr + row * (W // 32) + k0 // 32)[:, None]
+        Q = tl.where(r < T, tl.load(a_ptr + at + cols[None, :], mask=(r < T) & ok, other=0.0),
+                     tl.load(b_ptr + at + cols[None, :], mask=(r >= T) & (r < ROWS) & ok, other=0.0)).to(tl.float32)
         acc = tl.dot(S, tl.trans(Q), acc, input_precision="tf32x3")
     return acc
 
@@ -332,12 +391,12 @@ def write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gid
 
 @triton.jit
 def read_copy_from_anchor(av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, seed, tokens,
-                          DV: tl.constexpr, DK: tl.constexpr, A_FMT: tl.constexpr, R_FMT: tl.constexpr,
-                          R_SR: tl.constexpr):
+                          DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, A_FMT: tl.constexpr,
+                          R_FMT: tl.constexpr, R_SR: tl.constexpr):
     """Encode the read copy of rows ``rv`` from the fp32 anchor rows this program has just stored
     (the unrounded state, bit for bit), whole rows at once (``launch.read_copy_after_fold``); its
     stochastic-rounding stream as in ``write_checkpoint``."""
     tl.debug_barrier()  # the anchor rows were stored by other threads of the program
-    ck = tl.arange(0, DK)
+    ck = tl.arange(0, DKP)
     store_tile(load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, ck, DV, DK, A_FMT), rv_ptr, rs_ptr, rg_ptr, mat, gidx,
                head, rv, ck, seed, tokens * 2 + 1, DV, DK, R_FMT, R_SR)

@@ -265,18 +265,13 @@ def format_args(cache):
     return anchor, read, consts
 
 
-def check_geometry(cache):
-    """The kernels tile a head's rows 16 or 32 at a time and hold whole rows: dv a multiple of 16
-    (headdim 80 of Nemotron-Nano, 48, 96, ...), dk a power of two >= 16 (>= 32 with fp8)."""
-    if cache.dv < 16 or cache.dv % 16:
-        raise ValueError(f"backend='triton' needs dv to be a multiple of 16, got {cache.dv}; "
-                         "use backend='torch' for this geometry")
-    if cache.dk < 16 or cache.dk & (cache.dk - 1):
-        raise ValueError(f"backend='triton' needs dk to be a power of two >= 16, got {cache.dk}; "
-                         "use backend='torch' for this geometry")
+def column_pad(cache) -> int:
+    """DKP: the width of the kernels' column tiles, dk padded to a power of two >= 16 (tl.dot
+    needs K >= 16), >= 32 with an fp8 format (whole scale blocks). Any geometry tiles: a head's
+    rows go to programs of whole row blocks (``step_shape``; gcd(dv, 32) rows, a power of two,
+    where dv is not a multiple of 32), and columns from dk on are masked (``formats.within``)."""
     fmts = {cache.precision.anchor.name, cache.precision.read_format.name}
-    if "fp8_e4m3" in fmts and cache.dk < 32:
-        raise ValueError("backend='triton' with an fp8 format needs dk >= 32")
+    return max(32 if "fp8_e4m3" in fmts else 16, triton.next_power_of_2(cache.dk))
 
 
 #: Most batch rows the program listing the slots due scans at a time (``window.list_due``).
@@ -307,7 +302,7 @@ def window_pad(cache) -> int:
 
 class StepShape(NamedTuple):
     """How a step kernel is launched (``step_shape``)."""
-    rows: int        #: state rows of a head per program (a multiple of FOLD_ROWS, or dv if smaller)
+    rows: int        #: state rows of a head per program (a multiple of FOLD_ROWS, or the cache's row block)
     warps: int       #: warps per program
     pin: int         #: elements per thread pinned on the read-copy load (``formats.pin_vector_width``), 0 = none
     output_dot: bool  #: the read-copy products of all queries as one tensor-core product
@@ -387,9 +382,10 @@ SPLIT_MIN_BATCH = 64
 def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> StepShape:
     """The launch shape of a step of T tokens over ``batch`` rows of ``cache`` (``SHAPES``; the
     refresh a branch below SPLIT_MIN_BATCH rows; ``TUNING`` over it). Rows are a multiple of
-    FOLD_ROWS that divides dv, or the cache's row block (gcd(dv, 32): 16 for dv = 80) where dv is
-    not a multiple of FOLD_ROWS or is at most FOLD_ROWS, and with NVFP4 (a program owns whole
-    global-scale blocks); no products on tensor cores for an NVFP4 read copy."""
+    FOLD_ROWS that divides dv, or the cache's row block (gcd(dv, 32), a power of two: 16 for dv =
+    80, 8 for dv = 8 or 24) where dv is not a multiple of FOLD_ROWS or is at most FOLD_ROWS, and
+    with NVFP4 (a program owns whole global-scale blocks); no products on tensor cores for an
+    NVFP4 read copy."""
     fmt = cache.precision.read_format.name
     found = BASE_SHAPE
     for least, fields in SHAPES[(arch, fmt)]:
@@ -450,12 +446,13 @@ REFRESH_COLUMNS_BY_ANCHOR = {("mamba2", "fp16"): 64, ("mamba2", "bf16"): 64}
 def refresh_columns(cache, arch: str) -> int:
     """Columns per pass of a refresh's fold and encode: a program loads, folds and encodes a
     [FOLD_ROWS, columns] slice at a time, so the slice, the products' operands and accumulators
-    fit in registers together. A multiple of 32 (one fp8 scale block), or the whole row with
-    NVFP4, whose global scale spans the row block. The column count never changes a fold's bits
+    fit in registers together. A multiple of 32 (one fp8 scale block) or the padded row
+    (``column_pad``: dk < 32), or the whole padded row with NVFP4, whose global scale spans the
+    row block; the last pass is masked from dk on. The column count never changes a fold's bits
     (each element's product sums over the window, whatever the slice)."""
     if _uses_nvfp4(cache) and not read_copy_after_fold(cache):
-        return cache.dk
-    return min(cache.dk, REFRESH_COLUMNS_BY_ANCHOR.get((arch, cache.precision.anchor.name), REFRESH_COLUMNS))
+        return column_pad(cache)
+    return min(column_pad(cache), REFRESH_COLUMNS_BY_ANCHOR.get((arch, cache.precision.anchor.name), REFRESH_COLUMNS))
 
 
 def read_copy_after_fold(cache) -> bool:

@@ -7,6 +7,8 @@ later replay will read them back); other positions are zero. A refreshing slot h
 import triton
 import triton.language as tl
 
+from .formats import within
+
 
 @triton.jit
 def slot_row(slots_ptr, pid_b, SCRATCH):
@@ -72,14 +74,15 @@ def slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T: tl.constexpr, L: tl
 def window_rows(buf_ptr, in_ptr, row, pid_b, h, head, NH, cols, WIDTH: tl.constexpr,
                 T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr):
     """[LP, len(cols)] fp32 window of a per-token vector field: buffer [rows, L, NH, WIDTH],
-    inputs [b, T, NH, WIDTH], columns ``cols`` of head ``head``."""
+    inputs [b, T, NH, WIDTH], columns ``cols`` of head ``head`` (a tile of them, zero from WIDTH on)."""
     j = tl.arange(0, LP)
+    ok = within(cols, WIDTH)[None, :]
     old = j < h
     new = (j >= h) & (j < h + T)
     a = tl.load(buf_ptr + ((row * L + j[:, None]) * NH + head) * WIDTH + cols[None, :],
-                mask=old[:, None], other=0.0)
+                mask=old[:, None] & ok, other=0.0)
     b = tl.load(in_ptr + ((pid_b * T + j - h)[:, None] * NH + head) * WIDTH + cols[None, :],
-                mask=new[:, None], other=0.0)
+                mask=new[:, None] & ok, other=0.0)
     return a.to(tl.float32) + b.to(buf_ptr.dtype.element_ty).to(tl.float32)
 
 

@@ -43,7 +43,7 @@ from .._triton.decay import segment_along, softplus
 from .._triton.window import (ancestor_loads, ancestor_masks, draft_view, due_slot, list_due, slot_cursor, slot_row,
                               step_cursor, window_scalars)
 from .._triton.formats import (column, load_query, load_read, load_tile, matvec, pin_vector_width,
-                               products_on_tensor_cores, read_copy_from_anchor, streamed_products,
+                               products_on_tensor_cores, read_copy_from_anchor, streamed_products, within,
                                write_checkpoint)
 
 
@@ -82,7 +82,7 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_p
                        a_ptr, b_ptr, alog_ptr, dtb_ptr, gn_ptr, betan_ptr, due_ptr, parents_ptr, anc_ptr,
                        gaps_ptr, scale,
                        SCRATCH, B, HK, HV, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr,
-                       RATIO: tl.constexpr, NORM: tl.constexpr, GATE: tl.constexpr, HAS_DTB: tl.constexpr,
+                       DKP: tl.constexpr, RATIO: tl.constexpr, NORM: tl.constexpr, GATE: tl.constexpr, HAS_DTB: tl.constexpr,
                        RP: tl.constexpr, DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, TREE: tl.constexpr,
                        MAXD: tl.constexpr, PDL: tl.constexpr):
     """Once per (batch row, key head): the T new keys and queries prepared in fp32 (L2-normalized
@@ -99,7 +99,8 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_p
     pid_b, khead = tl.program_id(0), tl.program_id(1)
     if (pid_b == 0) & (khead == 0):
         list_due(slots_ptr, committed_ptr, due_ptr, B, T, L, DUE_CH, DUE_PASSES)
-    ck = tl.arange(0, DK)
+    ck = tl.arange(0, DKP)  # columns from DK on are zero
+    cols = within(ck, DK)
     vh = khead * RATIO + tl.arange(0, RP)  # the key head's value heads (``mine``: the real ones)
     mine = tl.arange(0, RP) < RATIO
     if GATE:
@@ -118,21 +119,21 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_p
             ancestor_masks(parents_ptr, anc_ptr, gaps_ptr, pid_b, valid, row, T, MAXD)
     j = tl.arange(0, LP)
     seen = tl.where(need, 0, h)  # committed entries the new tokens see: none after a refresh
-    K_old = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :], mask=(j < seen)[:, None],
-                    other=0.0).to(tl.float32)
+    K_old = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :],
+                    mask=(j < seen)[:, None] & cols[None, :], other=0.0).to(tl.float32)
     # the new keys and queries, prepared in registers: the window's new entries are scored from
     # here, not read back from kn / qn
     keys, queries = (), ()
     for s in tl.static_range(T):
         at = ((pid_b * T + s) * HK + khead) * DK + ck
-        k = tl.load(k_ptr + at).to(tl.float32)
-        q = tl.load(q_ptr + at).to(tl.float32)
+        k = tl.load(k_ptr + at, mask=cols, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + at, mask=cols, other=0.0).to(tl.float32)
         if NORM:
             k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
             q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
         q = q * scale
-        tl.store(kn_ptr + at, k)
-        tl.store(qn_ptr + at, q)
+        tl.store(kn_ptr + at, k, mask=cols)
+        tl.store(qn_ptr + at, q, mask=cols)
         keys = keys + (k.to(bk_ptr.dtype.element_ty).to(tl.float32),)  # as a later replay reads it back
         queries = queries + (q,)
     K = K_old  # the window: committed entries, then the new ones at positions seen + n
@@ -146,8 +147,8 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_p
 
 @triton.jit
 def _gdn_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bg_ptr, bbeta_ptr, tinv_ptr, decays_ptr, HK, HV,
-                      L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, RATIO: tl.constexpr, RP: tl.constexpr,
-                      SQUARINGS: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
+                      L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, RATIO: tl.constexpr,
+                      RP: tl.constexpr, SQUARINGS: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
     """The refresh's solve, for the slots due only (the scores launch's list, ``window.list_due``):
     program (key head, c) takes the slots of ranks c, c + n, ... and writes, per value head of the
     key head, tinv[b, vh] = (I + M)^{-T} [LP, LP] and decays[b, vh] = (e^{c_j}, e^{g(j, h)}, e^{c_h}
@@ -156,7 +157,7 @@ def _gdn_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bg_ptr, bbeta_ptr
     the anchor's bits independent of both."""
     after_previous_launch(PDL)
     khead, c = tl.program_id(0), tl.program_id(1)
-    ck = tl.arange(0, DK)
+    ck = tl.arange(0, DKP)
     j = tl.arange(0, LP)
     vh = khead * RATIO + tl.arange(0, RP)  # the key head's value heads (``mine``: the real ones)
     mine = tl.arange(0, RP) < RATIO
@@ -165,8 +166,8 @@ def _gdn_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bg_ptr, bbeta_ptr
         r = c + it * tl.num_programs(1)
         if r < count:
             pid_b, row, h = due_slot(due_ptr, slots_ptr, cursors_ptr, r)
-            K_c = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :], mask=(j < h)[:, None],
-                          other=0.0).to(tl.float32)
+            K_c = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :],
+                          mask=(j < h)[:, None] & within(ck, DK)[None, :], other=0.0).to(tl.float32)
             gram = tl.dot(K_c, tl.trans(K_c), input_precision="ieee")  # k_j . k_i
             X, ec, es, total = _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L, LP, SQUARINGS)
             base = (pid_b * HV + vh) * LP  # [RP]
@@ -181,13 +182,14 @@ def _gdn_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bg_ptr, bbeta_ptr
 @triton.jit
 def _gdn_refresh_rows(pid_b, head, khead, row, h, r0, seeds_ptr, tokens_ptr, tinv_ptr, decays_ptr,
                       av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, HV, HK,
-                      L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
-                      FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
+                      L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
+                      BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
                       R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr,
                       READ_AFTER: tl.constexpr):
     """Refresh rows r0 .. r0 + BV of value head ``head`` of storage row ``row`` (h committed
     entries, batch row ``pid_b``), FR rows at a time: the residual solve and fold of the module
-    docstring, then the encode of KC columns at a time."""
+    docstring, then the encode of KC columns at a time (the last pass of each masked from column
+    DK on)."""
     mat = row * HV + head
     j = tl.arange(0, LP)
     old = j < h
@@ -200,39 +202,39 @@ def _gdn_refresh_rows(pid_b, head, khead, row, h, r0, seeds_ptr, tokens_ptr, tin
     beta_c = tl.load(bbeta_ptr + buf_tok * HV + head, mask=old, other=0.0)
     seed = tl.load(seeds_ptr + row)
     tokens = tl.load(tokens_ptr + row)
-    SKC: tl.constexpr = 32 if DK >= 32 else DK
+    SKC: tl.constexpr = 32 if DKP >= 32 else DKP
     for f in tl.static_range(BV // FR):
         rv = r0 + f * FR + tl.arange(0, FR)
         gidx = mat * (DV // FR) + (r0 + f * FR) // FR  # NVFP4: FR is the row block, one global scale
         V_c = tl.load(bv_ptr + (buf_tok[None, :] * HV + head) * DV + rv[:, None], mask=old[None, :],
                       other=0.0).to(tl.float32)  # [FR, LP]
         SK = tl.zeros((FR, LP), dtype=tl.float32)  # S_anchor k_j
-        for c in tl.range(0, DK // SKC, num_stages=STAGES):  # a loop, not unrolled: registers
+        for c in tl.range(0, (DK + SKC - 1) // SKC, num_stages=STAGES):  # a loop, not unrolled: registers
             cols = c * SKC + tl.arange(0, SKC)
-            K_part = tl.load(bk_ptr + (buf_tok[:, None] * HK + khead) * DK + cols[None, :], mask=old[:, None],
-                             other=0.0).to(tl.float32)
+            K_part = tl.load(bk_ptr + (buf_tok[:, None] * HK + khead) * DK + cols[None, :],
+                             mask=old[:, None] & within(cols, DK)[None, :], other=0.0).to(tl.float32)
             S_part = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT)
             SK += tl.dot(S_part, tl.trans(K_part), input_precision="tf32x3")
         R = tl.where(old[None, :], beta_c[None, :] * (V_c - ec[None, :] * SK), 0.0)
         U = tl.dot(R, Tinv, input_precision="tf32x3") * es[None, :]  # residuals, decayed to the end
-        for c in tl.range(0, DK // KC, num_stages=STAGES):  # a loop, not unrolled: registers
+        for c in tl.range(0, (DK + KC - 1) // KC, num_stages=STAGES):  # a loop, not unrolled: registers
             cols = c * KC + tl.arange(0, KC)
-            K_part = tl.load(bk_ptr + (buf_tok[:, None] * HK + khead) * DK + cols[None, :], mask=old[:, None],
-                             other=0.0).to(tl.float32)
+            K_part = tl.load(bk_ptr + (buf_tok[:, None] * HK + khead) * DK + cols[None, :],
+                             mask=old[:, None] & within(cols, DK)[None, :], other=0.0).to(tl.float32)
             S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT) * total
             S += tl.dot(U, K_part, input_precision="tf32x3")
             write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, cols, seed,
                              tokens, DV, DK, A_FMT, A_SR, R_FMT, R_SR, SHARED or READ_AFTER)
         if READ_AFTER:
             read_copy_from_anchor(av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, seed, tokens,
-                                  DV, DK, A_FMT, R_FMT, R_SR)
+                                  DV, DK, DKP, A_FMT, R_FMT, R_SR)
 
 
 @triton.jit
 def _gdn_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, decays_ptr,
                         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, due_ptr, HV, HK,
                         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
-                        FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
+                        DKP: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
                         R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr,
                         READ_AFTER: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
     """The refresh in a launch of its own (``StepShape.split``): program (v, head, c) refreshes FR
@@ -247,29 +249,34 @@ def _gdn_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
             pid_b, row, h = due_slot(due_ptr, slots_ptr, cursors_ptr, r)
             _gdn_refresh_rows(pid_b, head, head // (HV // HK), row, h, pid_v * FR, seeds_ptr, tokens_ptr, tinv_ptr,
                               decays_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, HV,
-                              HK, L, LP, DV, DK, FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
+                              HK, L, LP, DV, DK, DKP, FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES,
+                              READ_AFTER)
 
 
 @triton.jit
 def _window_loads(bg_ptr, bu_ptr, g_ptr, q_ptr, k_ptr, row, pid_b, head, khead, h, rv, HV, HK, T: tl.constexpr,
-                  L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, OUTPUT_DOT: tl.constexpr,
-                  QP: tl.constexpr):
+                  L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
+                  OUTPUT_DOT: tl.constexpr, QP: tl.constexpr):
     """What a step program reads of a window of h committed entries: (log decays g [LP], cached
-    residuals U [BV, LP], and with OUTPUT_DOT the step's keys and queries Q [QP, DK], else 0)."""
+    residuals U [BV, LP], and with OUTPUT_DOT the step's keys and queries Q [QP, DKP] (zero from
+    column DK on), else 0)."""
     j = tl.arange(0, LP)
     g = window_scalars(bg_ptr, g_ptr, row, pid_b, h, head, HV, T, L, LP)
     U = tl.load(bu_ptr + ((row * L + j[None, :]) * HV + head) * DV + rv[:, None], mask=(j < h)[None, :], other=0.0)
     Q = 0.0
     if OUTPUT_DOT:
         r = tl.arange(0, QP)[:, None]
-        at = ((pid_b * T + r % T) * HK + khead) * DK + tl.arange(0, DK)[None, :]
-        Q = tl.where(r < T, tl.load(k_ptr + at, mask=r < 2 * T, other=0.0), tl.load(q_ptr + at, mask=r < 2 * T, other=0.0))
+        ck = tl.arange(0, DKP)
+        at = ((pid_b * T + r % T) * HK + khead) * DK + ck[None, :]
+        m = (r < 2 * T) & within(ck, DK)[None, :]
+        Q = tl.where(r < T, tl.load(k_ptr + at, mask=m, other=0.0), tl.load(q_ptr + at, mask=m, other=0.0))
     return g, U, Q
 
 
 @triton.jit
 def _token_loads(q_ptr, k_ptr, v_ptr, beta_ptr, scores_ptr, bv_ptr, pid_b, head, khead, rv, HV, HK, T: tl.constexpr,
-                 LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, R_FMT: tl.constexpr, OUTPUT_DOT: tl.constexpr):
+                 LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, R_FMT: tl.constexpr,
+                 OUTPUT_DOT: tl.constexpr):
     """The new tokens' inputs to a step program, all issued at once: a tuple indexed by s of (v_s
     rounded to the buffer dtype [BV], beta_s, k_j . k_s [LP], k_j . q_s [LP], then k_s and q_s as
     ``load_query`` gives them, zeros with OUTPUT_DOT)."""
@@ -280,8 +287,8 @@ def _token_loads(q_ptr, k_ptr, v_ptr, beta_ptr, scores_ptr, bv_ptr, pid_b, head,
         base = ((pid_b * HK + khead) * 2 * T + s) * LP
         ka, kb, qa, qb = 0.0, 0.0, 0.0, 0.0
         if not OUTPUT_DOT:
-            ka, kb = load_query(k_ptr + (tok_in * HK + khead) * DK, DK, R_FMT)
-            qa, qb = load_query(q_ptr + (tok_in * HK + khead) * DK, DK, R_FMT)
+            ka, kb = load_query(k_ptr + (tok_in * HK + khead) * DK, DK, DKP, R_FMT)
+            qa, qb = load_query(q_ptr + (tok_in * HK + khead) * DK, DK, DKP, R_FMT)
         tokens_in = tokens_in + ((tl.load(v_ptr + (tok_in * HV + head) * DV + rv).to(bv_ptr.dtype.element_ty),
                                   tl.load(beta_ptr + tok_in * HV + head), tl.load(scores_ptr + base + T * LP + j),
                                   tl.load(scores_ptr + base + j), ka, kb, qa, qb),)
@@ -296,8 +303,8 @@ def _gdn_step_kernel(
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, scores_ptr, anc_ptr, o_ptr,
         SCRATCH, HV, HK,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
-        DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr,
-        A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
+        DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr,
+        KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr, STREAM: tl.constexpr,
         PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr,
         TREE: tl.constexpr, PDL: tl.constexpr):
@@ -313,13 +320,13 @@ def _gdn_step_kernel(
     mat = row * HV + head
     gidx = mat * (DV // BV) + pid_v  # NVFP4 global-scale block of these rows
     rv = pid_v * BV + tl.arange(0, BV)
-    ck = tl.arange(0, DK)
+    ck = tl.arange(0, DKP)
     j = tl.arange(0, LP)
     if REFRESH:
         if need:  # refresh: re-solve the committed residuals from the anchor, fold, encode
             _gdn_refresh_rows(pid_b, head, khead, row, h, pid_v * BV, seeds_ptr, tokens_ptr, tinv_ptr, decays_ptr,
                               av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, HV, HK, L,
-                              LP, DV, DK, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
+                              LP, DV, DK, DKP, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
             tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
     h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
     # the read copy in its own layout (the anchor itself when shared; with STREAM never whole),
@@ -328,17 +335,17 @@ def _gdn_step_kernel(
     if STREAM:
         ra, rb, rsc = 0.0, 0.0, 0.0
     else:
-        ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
+        ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, DKP, R_FMT)
     g, U, Q = _window_loads(bg_ptr, bu_ptr, g_ptr, q_ptr, k_ptr, row, pid_b, head, khead, h, rv, HV, HK, T, L, LP,
-                            DV, DK, QLOAD, QP)
+                            DV, DK, DKP, QLOAD, QP)
     tokens_in = _token_loads(q_ptr, k_ptr, v_ptr, beta_ptr, scores_ptr, bv_ptr, pid_b, head, khead, rv, HV, HK, T,
-                             LP, DV, DK, R_FMT, OUTPUT_DOT)
+                             LP, DV, DK, DKP, R_FMT, OUTPUT_DOT)
     ancestors = ancestor_loads(anc_ptr, pid_b, T, TREE)
     if PIN:
         pin_vector_width(rv_ptr, mat, rv, ck, h < 0, DV, DK, PIN)
     if OUTPUT_DOT:  # every S_read k_s and S_read q_s of the step in one product
         if STREAM:  # columns: k_0..k_{T-1}, q_0..q_{T-1}
-            KB: tl.constexpr = 32 if DK >= 32 else DK  # one fp8 scale block, or the whole row
+            KB: tl.constexpr = 32 if DKP >= 32 else DKP  # one fp8 scale block, or the whole padded row
             SQ = streamed_products(rv_ptr, rs_ptr, mat, rv, k_ptr, q_ptr, pid_b, HK, khead, T, 2 * T, DV, DK, R_FMT,
                                    QP, KB, STREAM)
         else:
@@ -387,7 +394,6 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     inside the first launch. ``gate``: (a, b [b, T, HV], A_log [HV], dt_bias [HV] or None) instead
     of g and beta (both None), the gates computed in the first launch.
     """
-    launch.check_geometry(cache)
     b, T, HV, V = v.shape
     HK, K = cache.num_k_heads, cache.head_k_dim
     dev = v.device
@@ -404,7 +410,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
         gate_args = (g, beta, g, g, g, beta)  # never read (GATE off)
     shape = launch.step_shape(cache, "gdn", T, b)
     buf = cache.buffer
-    LP = launch.window_pad(cache)
+    LP, DKP = launch.window_pad(cache), launch.column_pad(cache)
     scores = torch.empty(b, HK, 2, T, LP, dtype=torch.float32, device=dev)
     kn = torch.empty(q.shape, dtype=torch.float32, device=dev)
     qn = torch.empty_like(kn)
@@ -415,13 +421,13 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     anc = cursors if parents is None else torch.empty(b, T, dtype=torch.int32, device=dev)
     launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], k, q, kn, qn, scores,
                *gate_args, due, cursors if parents is None else parents.contiguous(), anc, cache.draft_gaps, float(scale),
-               cache.scratch_row, b, HK, HV, T=T, L=cache.window, LP=LP, DK=K, RATIO=HV // HK, NORM=normalize,
+               cache.scratch_row, b, HK, HV, T=T, L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, NORM=normalize,
                GATE=gate is not None, HAS_DTB=gate is not None and gate[3] is not None,
                RP=triton.next_power_of_2(HV // HK), TREE=parents is not None, MAXD=cache.max_draft,
                **launch.due_scan(b, True))
     programs, rounds = launch.refresh_grid(b, T, cache.window)
     launch.run(_gdn_solve_kernel, (HK, programs), slots, cursors, due, buf["k"], buf["g"], buf["beta"], tinv, decays,
-               HK, HV, L=cache.window, LP=LP, DK=K, RATIO=HV // HK, RP=triton.next_power_of_2(HV // HK),
+               HK, HV, L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, RP=triton.next_power_of_2(HV // HK),
                SQUARINGS=LP.bit_length() - 2, ROUNDS=rounds, num_warps=SOLVE_WARPS)
     FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "gdn")
     read_after = launch.read_copy_after_fold(cache)
@@ -429,7 +435,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
         extra_refresh = {"maxnreg": shape.refresh_maxnreg} if shape.refresh_maxnreg else {}
         launch.run(_gdn_refresh_kernel, (V // FR, HV, programs), slots, cursors,
                    cache.tokens, cache.seeds, tinv, decays, *anchor, *read, buf["k"], buf["v"], buf["beta"], due,
-                   HV, HK, T=T, L=cache.window, LP=LP, DV=V, DK=K, FR=FR, KC=KC,
+                   HV, HK, T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, FR=FR, KC=KC,
                    STAGES=shape.stages, READ_AFTER=read_after,
                    ROUNDS=rounds, num_warps=shape.refresh_warps, **extra_refresh, **consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
@@ -438,7 +444,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
         slots, cursors, cache.tokens, cache.seeds, tinv, decays, *anchor, *read,
         buf["k"], buf["v"], buf["g"], buf["beta"], buf["u"],
         qn, kn, v, g, beta, scores, anc, o, cache.scratch_row, HV, HK,
-        T=T, L=cache.window, LP=LP, DV=V, DK=K, BV=shape.rows, FR=FR, KC=KC, OUTPUT_DOT=shape.output_dot,
+        T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, BV=shape.rows, FR=FR, KC=KC, OUTPUT_DOT=shape.output_dot,
         QP=max(16, triton.next_power_of_2(2 * T)), STREAM=shape.stream, PIN=shape.pin, REFRESH=not shape.split,
         STAGES=shape.stages, READ_AFTER=read_after, TREE=parents is not None, num_warps=shape.warps, **extra,
         **consts)

@@ -54,6 +54,7 @@ from .._triton.formats import (
     products_on_tensor_cores,
     read_copy_from_anchor,
     streamed_products,
+    within,
     write_checkpoint,
 )
 from .._triton.launch import after_previous_launch
@@ -67,11 +68,11 @@ from ..gdn.triton import (
 
 @triton.jit
 def _log_decays(bg_ptr, g_ptr, row, pid_b, h, vhead, HV, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
-                DK: tl.constexpr):
-    """[LP, DK] fp32 per-channel log decays of value head ``vhead``: committed entries j < h from
+                DK: tl.constexpr, DKP: tl.constexpr):
+    """[LP, DKP] fp32 per-channel log decays of value head ``vhead``: committed entries j < h from
     the buffer g [rows, L, HV, K], the T new tokens (h <= j < h + T) from the inputs g
-    [b, T, HV, K], zero elsewhere (T = 0: the committed entries only)."""
-    return window_rows(bg_ptr, g_ptr, row, pid_b, h, vhead, HV, tl.arange(0, DK), DK, T, L, LP)
+    [b, T, HV, K], zero elsewhere (T = 0: the committed entries only; channels from DK on)."""
+    return window_rows(bg_ptr, g_ptr, row, pid_b, h, vhead, HV, tl.arange(0, DKP), DK, T, L, LP)
 
 
 @triton.jit
@@ -85,14 +86,16 @@ def _segments_to(G, t):
 
 @triton.jit
 def _refresh_scalars(bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr, K_c, row, pid_b, vhead, h, HV,
-                     L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, SQUARINGS: tl.constexpr):
+                     L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
+                     SQUARINGS: tl.constexpr):
     """For value head ``vhead`` of a slot due to refresh (h committed entries with keys K_c
-    [LP, DK], zero past h): tinv[b, vh] = (I + M)^{-T}, rk[b, vh], fk[b, vh] [LP, DK] and
-    total[b, vh] = e^{G_h} [DK] (module docstring). IEEE fp32 throughout."""
+    [LP, DKP], zero past h and from column DK on): tinv[b, vh] = (I + M)^{-T}, rk[b, vh],
+    fk[b, vh] [LP, DK] and total[b, vh] = e^{G_h} [DK] (module docstring). IEEE fp32 throughout."""
     j = tl.arange(0, LP)
-    ck = tl.arange(0, DK)
+    ck = tl.arange(0, DKP)
+    cols = within(ck, DK)
     old = j < h
-    G_c = _log_decays(bg_ptr, g_ptr, row, pid_b, h, vhead, HV, 0, L, LP, DK)
+    G_c = _log_decays(bg_ptr, g_ptr, row, pid_b, h, vhead, HV, 0, L, LP, DK, DKP)
     beta_c = tl.load(bbeta_ptr + (row * L + j) * HV + vhead, mask=old, other=0.0)
     # M[j, i] = beta_j sum_c k_ic k_jc e^{g(i, j]_c}: one row j at a time (the decay is inside the
     # sum over channels, so the rows are no Gram matrix times decays); row 0 couples to nothing,
@@ -109,16 +112,16 @@ def _refresh_scalars(bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr, total_p
     base = (pid_b * HV + vhead) * LP
     at = (base + j[:, None]) * DK + ck[None, :]
     tl.store(tinv_ptr + (base + j[None, :]) * LP + j[:, None], X)  # transposed: [i, j] = X[j, i]
-    tl.store(rk_ptr + at, tl.where(old[:, None], tl.exp(through) * K_c, 0.0))
-    tl.store(fk_ptr + at, tl.where(old[:, None], tl.exp(after) * K_c, 0.0))
-    tl.store(total_ptr + (pid_b * HV + vhead) * DK + ck, tl.exp(tl.sum(G_c, 0)))
+    tl.store(rk_ptr + at, tl.where(old[:, None], tl.exp(through) * K_c, 0.0), mask=cols[None, :])
+    tl.store(fk_ptr + at, tl.where(old[:, None], tl.exp(after) * K_c, 0.0), mask=cols[None, :])
+    tl.store(total_ptr + (pid_b * HV + vhead) * DK + ck, tl.exp(tl.sum(G_c, 0)), mask=cols)
 
 
 @triton.jit
 def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, k_ptr, q_ptr, g_ptr,
                        kn_ptr, qn_ptr, kd_ptr, qd_ptr, scores_ptr, due_ptr, scale, SCRATCH, B, HK, HV,
-                       T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, RATIO: tl.constexpr,
-                       NORM: tl.constexpr, DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, PDL: tl.constexpr):
+                       T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
+                       RATIO: tl.constexpr, NORM: tl.constexpr, DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, PDL: tl.constexpr):
     """Once per (batch row, key head): the T new keys and queries prepared in fp32 (L2-normalized
     when NORM, as flash-linear-attention's l2norm; queries times ``scale``) into kn, qn
     [b, T, HK, K]; the batch row's committed count into ``cursors`` [b]; then per value head of
@@ -129,16 +132,17 @@ def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, k_
     pid_b, khead = tl.program_id(0), tl.program_id(1)
     if (pid_b == 0) & (khead == 0):
         list_due(slots_ptr, committed_ptr, due_ptr, B, T, L, DUE_CH, DUE_PASSES)
-    ck = tl.arange(0, DK)
+    ck = tl.arange(0, DKP)  # channels from DK on are zero
+    cols = within(ck, DK)
     for s in tl.static_range(T):
         at = ((pid_b * T + s) * HK + khead) * DK + ck
-        k = tl.load(k_ptr + at).to(tl.float32)
-        q = tl.load(q_ptr + at).to(tl.float32)
+        k = tl.load(k_ptr + at, mask=cols, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + at, mask=cols, other=0.0).to(tl.float32)
         if NORM:
             k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
             q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
-        tl.store(kn_ptr + at, k)
-        tl.store(qn_ptr + at, q * scale)
+        tl.store(kn_ptr + at, k, mask=cols)
+        tl.store(qn_ptr + at, q * scale, mask=cols)
     tl.debug_barrier()  # the rows just written are read back by other threads of the program
     _, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
     if khead == 0:
@@ -148,26 +152,27 @@ def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, k_
     K = window_rows(bk_ptr, kn_ptr, row, pid_b, h, khead, HK, ck, DK, T, L, LP)
     for vv in tl.range(0, RATIO):
         vhead = khead * RATIO + vv
-        G = _log_decays(bg_ptr, g_ptr, row, pid_b, h, vhead, HV, T, L, LP, DK)
+        G = _log_decays(bg_ptr, g_ptr, row, pid_b, h, vhead, HV, T, L, LP, DK, DKP)
         for s in tl.static_range(T):
             t = h + s
             tok = pid_b * T + s
-            q = tl.load(qn_ptr + (tok * HK + khead) * DK + ck)
-            k = tl.load(kn_ptr + (tok * HK + khead) * DK + ck).to(bk_ptr.dtype.element_ty).to(tl.float32)
+            q = tl.load(qn_ptr + (tok * HK + khead) * DK + ck, mask=cols, other=0.0)
+            k = tl.load(kn_ptr + (tok * HK + khead) * DK + ck, mask=cols, other=0.0).to(bk_ptr.dtype.element_ty).to(
+                tl.float32)
             upto = (j <= t)[:, None]
             KE = K * tl.where(upto, tl.exp(tl.where(upto, _segments_to(G, t), float("-inf"))), 0.0)
             base = ((pid_b * HV + vhead) * 2 * T + s) * LP
             tl.store(scores_ptr + base + j, tl.sum(KE * q[None, :], 1))
             tl.store(scores_ptr + base + T * LP + j, tl.where(j < t, tl.sum(KE * k[None, :], 1), 0.0))
             decay = tl.exp(tl.sum(tl.where(upto, G, 0.0), 0))  # e^{G_t}: a sum from the checkpoint
-            tl.store(kd_ptr + (tok * HV + vhead) * DK + ck, decay * k)
-            tl.store(qd_ptr + (tok * HV + vhead) * DK + ck, decay * q)
+            tl.store(kd_ptr + (tok * HV + vhead) * DK + ck, decay * k, mask=cols)
+            tl.store(qd_ptr + (tok * HV + vhead) * DK + ck, decay * q, mask=cols)
 
 
 @triton.jit
 def _kda_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr,
-                      total_ptr, HK, HV, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, RATIO: tl.constexpr,
-                      SQUARINGS: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
+                      total_ptr, HK, HV, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
+                      RATIO: tl.constexpr, SQUARINGS: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
     """The refresh's scalars (``_refresh_scalars``) for the slots due only (the scores launch's
     list, ``window.list_due``): program (key head, c) takes the slots of ranks c, c + n, ... and
     its key head's value heads. A launch of its own at ``SOLVE_WARPS`` (GDN's) for every preset
@@ -175,30 +180,31 @@ def _kda_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bg_ptr, g_ptr, bb
     a fraction of the occupancy."""
     after_previous_launch(PDL)
     khead, c = tl.program_id(0), tl.program_id(1)
-    ck = tl.arange(0, DK)
+    ck = tl.arange(0, DKP)
     j = tl.arange(0, LP)
     count = tl.load(due_ptr)
     for it in tl.range(0, ROUNDS, num_stages=1):  # a constant trip count: the interpreter needs one
         r = c + it * tl.num_programs(1)
         if r < count:
             pid_b, row, h = due_slot(due_ptr, slots_ptr, cursors_ptr, r)
-            K_c = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :], mask=(j < h)[:, None],
-                          other=0.0).to(tl.float32)
+            K_c = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :],
+                          mask=(j < h)[:, None] & within(ck, DK)[None, :], other=0.0).to(tl.float32)
             for vv in tl.range(0, RATIO):  # a loop, not unrolled: registers
                 _refresh_scalars(bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr, K_c, row, pid_b,
-                                 khead * RATIO + vv, h, HV, L, LP, DK, SQUARINGS)
+                                 khead * RATIO + vv, h, HV, L, LP, DK, DKP, SQUARINGS)
 
 
 @triton.jit
 def _kda_refresh_rows(pid_b, head, row, h, r0, seeds_ptr, tokens_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr,
                       av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bv_ptr, bbeta_ptr, HV,
-                      L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
-                      FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
+                      L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
+                      BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
                       R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr,
                       READ_AFTER: tl.constexpr):
     """Refresh rows r0 .. r0 + BV of value head ``head`` of storage row ``row`` (h committed
     entries, batch row ``pid_b``), FR rows at a time: the residual solve and fold of the module
-    docstring, then the encode of KC columns at a time."""
+    docstring, then the encode of KC columns at a time (the last pass of each masked from column
+    DK on)."""
     mat = row * HV + head
     j = tl.arange(0, LP)
     old = j < h
@@ -208,38 +214,38 @@ def _kda_refresh_rows(pid_b, head, row, h, r0, seeds_ptr, tokens_ptr, tinv_ptr, 
     beta_c = tl.load(bbeta_ptr + buf_tok * HV + head, mask=old, other=0.0)
     seed = tl.load(seeds_ptr + row)
     tokens = tl.load(tokens_ptr + row)
-    SKC: tl.constexpr = 32 if DK >= 32 else DK
+    SKC: tl.constexpr = 32 if DKP >= 32 else DKP
     for f in tl.static_range(BV // FR):
         rv = r0 + f * FR + tl.arange(0, FR)
         gidx = mat * (DV // FR) + (r0 + f * FR) // FR  # NVFP4: FR is the row block, one global scale
         V_c = tl.load(bv_ptr + (buf_tok[None, :] * HV + head) * DV + rv[:, None], mask=old[None, :],
                       other=0.0).to(tl.float32)  # [FR, LP]
         SK = tl.zeros((FR, LP), dtype=tl.float32)  # S_anchor (e^{G_j} * k_j)
-        for c in tl.range(0, DK // SKC, num_stages=STAGES):  # a loop, not unrolled: registers
+        for c in tl.range(0, (DK + SKC - 1) // SKC, num_stages=STAGES):  # a loop, not unrolled: registers
             cols = c * SKC + tl.arange(0, SKC)
-            RK = tl.load(rk_ptr + (base + j[:, None]) * DK + cols[None, :])
+            RK = tl.load(rk_ptr + (base + j[:, None]) * DK + cols[None, :], mask=within(cols, DK)[None, :], other=0.0)
             S_part = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT)
             SK += tl.dot(S_part, tl.trans(RK), input_precision="tf32x3")
         R = tl.where(old[None, :], beta_c[None, :] * (V_c - SK), 0.0)
         U = tl.dot(R, Tinv, input_precision="tf32x3")  # residuals u_j
-        for c in tl.range(0, DK // KC, num_stages=STAGES):  # a loop, not unrolled: registers
+        for c in tl.range(0, (DK + KC - 1) // KC, num_stages=STAGES):  # a loop, not unrolled: registers
             cols = c * KC + tl.arange(0, KC)
-            FK = tl.load(fk_ptr + (base + j[:, None]) * DK + cols[None, :])
-            total = tl.load(total_ptr + (pid_b * HV + head) * DK + cols)
+            FK = tl.load(fk_ptr + (base + j[:, None]) * DK + cols[None, :], mask=within(cols, DK)[None, :], other=0.0)
+            total = tl.load(total_ptr + (pid_b * HV + head) * DK + cols, mask=within(cols, DK), other=0.0)
             S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT) * total[None, :]
             S += tl.dot(U, FK, input_precision="tf32x3")
             write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, cols, seed,
                              tokens, DV, DK, A_FMT, A_SR, R_FMT, R_SR, SHARED or READ_AFTER)
         if READ_AFTER:
             read_copy_from_anchor(av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, seed, tokens,
-                                  DV, DK, A_FMT, R_FMT, R_SR)
+                                  DV, DK, DKP, A_FMT, R_FMT, R_SR)
 
 
 @triton.jit
 def _kda_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr,
                         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bv_ptr, bbeta_ptr, due_ptr, HV,
                         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
-                        FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
+                        DKP: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
                         R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr,
                         READ_AFTER: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
     """The refresh in a launch of its own (``StepShape.split``): program (v, head, c) refreshes FR
@@ -254,7 +260,7 @@ def _kda_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
             pid_b, row, h = due_slot(due_ptr, slots_ptr, cursors_ptr, r)
             _kda_refresh_rows(pid_b, head, row, h, pid_v * FR, seeds_ptr, tokens_ptr, tinv_ptr, rk_ptr, fk_ptr,
                               total_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bv_ptr, bbeta_ptr, HV, L, LP,
-                              DV, DK, FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
+                              DV, DK, DKP, FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
 
 
 @triton.jit
@@ -265,8 +271,8 @@ def _kda_step_kernel(
         qd_ptr, kd_ptr, v_ptr, beta_ptr, scores_ptr, o_ptr,
         SCRATCH, HV,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
-        DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr,
-        A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
+        DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr,
+        KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr, STREAM: tl.constexpr,
         PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr,
         PDL: tl.constexpr):
@@ -278,13 +284,13 @@ def _kda_step_kernel(
     mat = row * HV + head
     gidx = mat * (DV // BV) + pid_v  # NVFP4 global-scale block of these rows
     rv = pid_v * BV + tl.arange(0, BV)
-    ck = tl.arange(0, DK)
+    ck = tl.arange(0, DKP)
     j = tl.arange(0, LP)
     if REFRESH:
         if need:  # refresh: re-solve the committed residuals from the anchor, fold, encode
             _kda_refresh_rows(pid_b, head, row, h, pid_v * BV, seeds_ptr, tokens_ptr, tinv_ptr, rk_ptr, fk_ptr,
                               total_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bv_ptr, bbeta_ptr, HV, L, LP,
-                              DV, DK, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
+                              DV, DK, DKP, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
             tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
     h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
     # the read copy in its own layout (the anchor itself when shared; with STREAM never whole),
@@ -293,21 +299,21 @@ def _kda_step_kernel(
     if STREAM:
         ra, rb, rsc = 0.0, 0.0, 0.0
     else:
-        ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
+        ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, DKP, R_FMT)
     U = tl.load(bu_ptr + ((row * L + j[None, :]) * HV + head) * DV + rv[:, None], mask=(j < h)[None, :], other=0.0)
     Q = 0.0
     if QLOAD:  # rows: kd_0..kd_{T-1}, qd_0..qd_{T-1}, then zeros
         r = tl.arange(0, QP)[:, None]
         at = ((pid_b * T + r % T) * HV + head) * DK + ck[None, :]
-        Q = tl.where(r < T, tl.load(kd_ptr + at, mask=r < 2 * T, other=0.0),
-                     tl.load(qd_ptr + at, mask=r < 2 * T, other=0.0))
+        m = (r < 2 * T) & within(ck, DK)[None, :]
+        Q = tl.where(r < T, tl.load(kd_ptr + at, mask=m, other=0.0), tl.load(qd_ptr + at, mask=m, other=0.0))
     tokens_in = _token_loads(qd_ptr, kd_ptr, v_ptr, beta_ptr, scores_ptr, bv_ptr, pid_b, head, head, rv, HV, HV, T,
-                             LP, DV, DK, R_FMT, OUTPUT_DOT)
+                             LP, DV, DK, DKP, R_FMT, OUTPUT_DOT)
     if PIN:
         pin_vector_width(rv_ptr, mat, rv, ck, h < 0, DV, DK, PIN)
     if OUTPUT_DOT:  # every S_read kd_s and S_read qd_s of the step in one product
         if STREAM:
-            KB: tl.constexpr = 32 if DK >= 32 else DK  # one fp8 scale block, or the whole row
+            KB: tl.constexpr = 32 if DKP >= 32 else DKP  # one fp8 scale block, or the whole padded row
             SQ = streamed_products(rv_ptr, rs_ptr, mat, rv, kd_ptr, qd_ptr, pid_b, HV, head, T, 2 * T, DV, DK, R_FMT,
                                    QP, KB, STREAM)
         else:
@@ -343,7 +349,6 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     any float dtypes. Writes the outputs into o [b, T, HV, V] (contiguous fp32; pads zero) and
     returns it. The input preparation happens inside the first launch.
     """
-    launch.check_geometry(cache)
     b, T, HV, V = v.shape
     HK, K = cache.num_k_heads, cache.head_k_dim
     dev = v.device
@@ -351,7 +356,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     shape = launch.step_shape(cache, "kda", T, b)
     buf = cache.buffer
-    LP = launch.window_pad(cache)
+    LP, DKP = launch.window_pad(cache), launch.column_pad(cache)
     f32 = torch.float32
     scores = torch.empty(b, HV, 2, T, LP, dtype=f32, device=dev)
     kn = torch.empty(q.shape, dtype=f32, device=dev)
@@ -366,17 +371,18 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     refresh = (tinv, rk, fk, total)
     due = torch.empty(b + 1, dtype=torch.int32, device=dev)
     launch.run(_kda_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], buf["g"], k, q, g, kn, qn, kd,
-               qd, scores, due, float(scale), cache.scratch_row, b, HK, HV, T=T, L=cache.window, LP=LP, DK=K,
+               qd, scores, due, float(scale), cache.scratch_row, b, HK, HV, T=T, L=cache.window, LP=LP, DK=K, DKP=DKP,
                RATIO=HV // HK, NORM=normalize, **launch.due_scan(b, True))
     n, rounds = launch.refresh_grid(b, T, cache.window)
     launch.run(_kda_solve_kernel, (HK, n), slots, cursors, due, buf["k"], buf["g"], g, buf["beta"], *refresh, HK, HV,
-               L=cache.window, LP=LP, DK=K, RATIO=HV // HK, SQUARINGS=LP.bit_length() - 2, ROUNDS=rounds,
+               L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, SQUARINGS=LP.bit_length() - 2, ROUNDS=rounds,
                num_warps=SOLVE_WARPS)
     FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "kda")
     read_after = launch.read_copy_after_fold(cache)
     if shape.split:
         launch.run(_kda_refresh_kernel, (V // FR, HV, n), slots, cursors, cache.tokens, cache.seeds, *refresh,
-                   *anchor, *read, buf["v"], buf["beta"], due, HV, T=T, L=cache.window, LP=LP, DV=V, DK=K, FR=FR,
+                   *anchor, *read, buf["v"], buf["beta"], due, HV, T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP,
+                   FR=FR,
                    KC=KC, STAGES=shape.stages, READ_AFTER=read_after, ROUNDS=rounds, num_warps=shape.refresh_warps,
                    **consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
@@ -384,7 +390,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
         _kda_step_kernel, (V // shape.rows, HV, b),
         slots, cursors, cache.tokens, cache.seeds, *refresh, *anchor, *read,
         buf["v"], buf["beta"], buf["u"], qd, kd, v, beta, scores, o, cache.scratch_row, HV,
-        T=T, L=cache.window, LP=LP, DV=V, DK=K, BV=shape.rows, FR=FR, KC=KC, OUTPUT_DOT=shape.output_dot,
+        T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, BV=shape.rows, FR=FR, KC=KC, OUTPUT_DOT=shape.output_dot,
         QP=max(16, triton.next_power_of_2(2 * T)), STREAM=shape.stream, PIN=shape.pin, REFRESH=not shape.split,
         STAGES=shape.stages, READ_AFTER=read_after, num_warps=shape.warps, **extra, **consts)
     launch.advance(cache, slots, T, commit, {"k": kn, "g": g, "beta": beta})

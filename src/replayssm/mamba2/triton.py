@@ -33,7 +33,7 @@ from .._triton.decay import segment_along, softplus
 from .._triton.window import (ancestor_loads, ancestor_masks, draft_view, due_slot, list_due, slot_cursor, slot_row,
                               step_cursor, window_rows, window_scalars)
 from .._triton.formats import (load_query, load_read, load_tile, matvec, pin_vector_width, read_copy_from_anchor,
-                               write_checkpoint)
+                               within, write_checkpoint)
 
 
 @triton.jit
@@ -41,7 +41,8 @@ def _mamba2_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bB_ptr, bdt_ptr
                           scores_ptr, fold_w_ptr, fold_decay_ptr, dt_ptr, bias_ptr, A_ptr, dtn_ptr, la_ptr, due_ptr,
                           parents_ptr, anc_ptr, gaps_ptr, SCRATCH, B, H, G, T: tl.constexpr, L: tl.constexpr,
                           LP: tl.constexpr,
-                          DK: tl.constexpr, HG: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+                          DK: tl.constexpr, DKP: tl.constexpr, HG: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          SOFTPLUS: tl.constexpr,
                           DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, TREE: tl.constexpr,
                           MAXD: tl.constexpr, PDL: tl.constexpr):
     """Once per (batch row, group): the T new tokens' step sizes of the group's heads prepared in
@@ -86,22 +87,23 @@ def _mamba2_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bB_ptr, bdt_ptr
         tl.store(fold_w_ptr + (pid_b * H + heads[:, None]) * LP + j[None, :], w, mask=mine[:, None])
         tl.store(fold_decay_ptr + pid_b * H + heads, tl.exp(tl.sum(la_c, 1)), mask=mine)
     h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
-    ck = tl.arange(0, DK)
+    ck = tl.arange(0, DKP)  # columns from DK on are zero
     K = window_rows(bB_ptr, B_ptr, row, pid_b, h, group, G, ck, DK, T, L, LP)
     for s in tl.static_range(T):
-        q = tl.load(C_ptr + ((pid_b * T + s) * G + group) * DK + ck).to(tl.float32)
+        q = tl.load(C_ptr + ((pid_b * T + s) * G + group) * DK + ck, mask=within(ck, DK), other=0.0).to(tl.float32)
         tl.store(scores_ptr + ((pid_b * G + group) * T + s) * LP + j, tl.sum(K * q[None, :], 1))
 
 
 @triton.jit
 def _mamba2_refresh_rows(pid_b, head, row, h, r0, seeds_ptr, tokens_ptr, fold_w_ptr, fold_decay_ptr,
                          av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, H, G,
-                         L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
-                         FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
+                         L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
+                         BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
                          R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr,
                          READ_AFTER: tl.constexpr):
     """Refresh rows r0 .. r0 + BV of one head of storage row ``row`` (h committed entries): fold
-    FR rows by KC columns at a time, S = gamma_h S_anchor + (x_j w_j)_j B^T, and encode them."""
+    FR rows by KC columns at a time, S = gamma_h S_anchor + (x_j w_j)_j B^T, and encode them (the
+    last pass masked from column DK on)."""
     mat = row * H + head
     group = head // (H // G)
     j = tl.arange(0, LP)
@@ -116,24 +118,24 @@ def _mamba2_refresh_rows(pid_b, head, row, h, r0, seeds_ptr, tokens_ptr, fold_w_
         gidx = mat * (DV // FR) + (r0 + f * FR) // FR  # NVFP4: FR is the row block, one global scale
         X = tl.load(bx_ptr + (buf_tok[None, :] * H + head) * DV + rv[:, None], mask=old[None, :], other=0.0)
         XW = X.to(tl.float32) * w[None, :]
-        for c in tl.range(0, DK // KC, num_stages=STAGES):  # a loop, not unrolled: registers
+        for c in tl.range(0, (DK + KC - 1) // KC, num_stages=STAGES):  # a loop, not unrolled: registers
             cols = c * KC + tl.arange(0, KC)
-            B_c = tl.load(bB_ptr + ((row * L + j[:, None]) * G + group) * DK + cols[None, :], mask=old[:, None],
-                          other=0.0)
+            B_c = tl.load(bB_ptr + ((row * L + j[:, None]) * G + group) * DK + cols[None, :],
+                          mask=old[:, None] & within(cols, DK)[None, :], other=0.0)
             S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT) * decay
             S += tl.dot(XW, B_c.to(tl.float32), input_precision="tf32x3")
             write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, cols, seed,
                              tokens, DV, DK, A_FMT, A_SR, R_FMT, R_SR, SHARED or READ_AFTER)
         if READ_AFTER:
             read_copy_from_anchor(av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, seed, tokens,
-                                  DV, DK, A_FMT, R_FMT, R_SR)
+                                  DV, DK, DKP, A_FMT, R_FMT, R_SR)
 
 
 @triton.jit
 def _mamba2_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_ptr, fold_decay_ptr,
                            av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, due_ptr, H, G,
                            T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
-                           FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
+                           DKP: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
                            R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr,
                            READ_AFTER: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
     """The refresh in a launch of its own (``StepShape.split``): program (v, head, c) refreshes FR
@@ -148,20 +150,20 @@ def _mamba2_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w
             pid_b, row, h = due_slot(due_ptr, slots_ptr, cursors_ptr, r)
             _mamba2_refresh_rows(pid_b, head, row, h, pid_v * FR, seeds_ptr, tokens_ptr, fold_w_ptr, fold_decay_ptr,
                                  av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, H, G, L, LP, DV, DK,
-                                 FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
+                                 DKP, FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
 
 
 @triton.jit
 def _token_loads(x_ptr, C_ptr, D_ptr, z_ptr, scores_ptr, pid_b, head, group, rv, H, G, T: tl.constexpr,
-                 LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, R_FMT: tl.constexpr, HAS_D: tl.constexpr,
-                 HAS_Z: tl.constexpr):
+                 LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, R_FMT: tl.constexpr,
+                 HAS_D: tl.constexpr, HAS_Z: tl.constexpr):
     """The new tokens' inputs to a step program, all issued at once: a tuple indexed by s of
     (B_j . C_s [LP], C_s as ``load_query`` gives it, D, x_s [BV], z_s [BV]; D, x_s and z_s zero
     where not used)."""
     tokens_in = ()
     for s in tl.static_range(T):
         q_tok = pid_b * T + s
-        qa, qb = load_query(C_ptr + (q_tok * G + group) * DK, DK, R_FMT)
+        qa, qb = load_query(C_ptr + (q_tok * G + group) * DK, DK, DKP, R_FMT)
         D, xq, zq = 0.0, 0.0, 0.0
         if HAS_D:
             D = tl.load(D_ptr + head).to(tl.float32)
@@ -182,8 +184,8 @@ def _mamba2_step_kernel(
         x_ptr, dt_ptr, la_ptr, C_ptr, D_ptr, z_ptr, scores_ptr, anc_ptr, y_ptr,
         SCRATCH, H, G,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
-        DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr,
-        A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
+        DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr,
+        KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, PIN: tl.constexpr, REFRESH: tl.constexpr,
         STAGES: tl.constexpr, READ_AFTER: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr):
     """TREE: draft s sees the committed entries and its ancestors only (``anc`` [b, T], the
@@ -197,24 +199,24 @@ def _mamba2_step_kernel(
     mat = row * H + head
     gidx = mat * (DV // BV) + pid_v  # NVFP4 global-scale block of these rows
     rv = pid_v * BV + tl.arange(0, BV)
-    ck = tl.arange(0, DK)
+    ck = tl.arange(0, DKP)
     j = tl.arange(0, LP)
     buf_tok = row * L + j  # [LP] buffer token index of this slot
     if REFRESH:
         if need:  # refresh: fold the h committed entries into a new checkpoint, from the anchor
             _mamba2_refresh_rows(pid_b, head, row, h, pid_v * BV, seeds_ptr, tokens_ptr, fold_w_ptr, fold_decay_ptr,
                                  av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, H, G, L, LP, DV, DK,
-                                 BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
+                                 DKP, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
             tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
     h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
     # the read copy in its own layout (the anchor itself when shared), then everything else a
     # program reads, all issued before any arithmetic so that it waits on memory once
-    ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, R_FMT)
+    ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, DKP, R_FMT)
     la = window_scalars(bla_ptr, la_ptr, row, pid_b, h, head, H, T, L, LP)
     dt = window_scalars(bdt_ptr, dt_ptr, row, pid_b, h, head, H, T, L, LP)
     X = window_rows(bx_ptr, x_ptr, row, pid_b, h, head, H, rv, DV, T, L, LP)
     tokens_in = _token_loads(x_ptr, C_ptr, D_ptr, z_ptr, scores_ptr, pid_b, head, group, rv, H, G, T, LP, DV, DK,
-                             R_FMT, HAS_D, HAS_Z)
+                             DKP, R_FMT, HAS_D, HAS_Z)
     ancestors = ancestor_loads(anc_ptr, pid_b, T, TREE)
     if PIN:
         pin_vector_width(rv_ptr, mat, rv, ck, h < 0, DV, DK, PIN)
@@ -246,7 +248,6 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     [b, T, H, P] (contiguous, fp32/fp16/bf16; pads zero). The input preparation happens inside the
     first launch.
     """
-    launch.check_geometry(cache)
     b, T, H, P = x.shape
     G, N = cache.ngroups, cache.dstate
     dev = x.device
@@ -256,7 +257,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     D = None if D is None else D.contiguous()
     shape = launch.step_shape(cache, "mamba2", T, b)
     buf = cache.buffer
-    LP = launch.window_pad(cache)
+    LP, DKP = launch.window_pad(cache), launch.column_pad(cache)
     scores = torch.empty(b, G, T, LP, dtype=torch.float32, device=dev)
     fold_w = torch.empty(b, H, LP, dtype=torch.float32, device=dev)
     fold_decay = torch.empty(b, H, dtype=torch.float32, device=dev)
@@ -268,14 +269,14 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     tree = dict(parents=cursors if parents is None else parents.contiguous(), anc=anc, TREE=parents is not None)
     launch.run(_mamba2_scores_kernel, (b, G), slots, cache.committed, cursors, buf["B"], buf["dt"], buf["log_alpha"],
                B, C, scores, fold_w, fold_decay, dt_in, dt_in if dt_bias is None else dt_bias.contiguous(), A, dt,
-               log_alpha, due, tree["parents"], anc, cache.draft_gaps, cache.scratch_row, b, H, G, T=T, L=cache.window, LP=LP, DK=N,
+               log_alpha, due, tree["parents"], anc, cache.draft_gaps, cache.scratch_row, b, H, G, T=T, L=cache.window, LP=LP, DK=N, DKP=DKP,
                HG=triton.next_power_of_2(H // G), HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
                TREE=tree["TREE"], MAXD=cache.max_draft, **launch.due_scan(b, shape.split))
     FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "mamba2")
     read_after = launch.read_copy_after_fold(cache)
     if shape.split:
         launch.run(_mamba2_refresh_kernel, (P // FR, H, launch.refresh_grid(b, T, cache.window)[0]), slots, cursors,
-                   cache.tokens, cache.seeds, fold_w, fold_decay, *anchor, *read, buf["x"], buf["B"], due, H, G, T=T, L=cache.window, LP=LP, DV=P, DK=N, FR=FR, KC=KC, STAGES=shape.stages,
+                   cache.tokens, cache.seeds, fold_w, fold_decay, *anchor, *read, buf["x"], buf["B"], due, H, G, T=T, L=cache.window, LP=LP, DV=P, DK=N, DKP=DKP, FR=FR, KC=KC, STAGES=shape.stages,
                    READ_AFTER=read_after,
                    ROUNDS=launch.refresh_grid(b, T, cache.window)[1], num_warps=shape.refresh_warps, **consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
@@ -285,7 +286,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
         buf["x"], buf["dt"], buf["log_alpha"], buf["B"],
         x, dt, log_alpha, C, x if D is None else D, x if z is None else z, scores, anc, y,
         cache.scratch_row, H, G,
-        T=T, L=cache.window, LP=LP, DV=P, DK=N, BV=shape.rows, FR=FR, KC=KC, HAS_D=D is not None,
+        T=T, L=cache.window, LP=LP, DV=P, DK=N, DKP=DKP, BV=shape.rows, FR=FR, KC=KC, HAS_D=D is not None,
         HAS_Z=z is not None, PIN=shape.pin, REFRESH=not shape.split, STAGES=shape.stages, READ_AFTER=read_after,
         TREE=tree["TREE"], num_warps=shape.warps, **extra, **consts)
     launch.advance(cache, slots, T, commit, {"dt": dt, "log_alpha": log_alpha, "B": B})
