@@ -387,6 +387,41 @@ def check_skipped_refresh_detected(arch, monkeypatch):
     assert tr.state_error([0, 1]) > 1e-3
 
 
+def any_dims(arch, dv, dk):
+    """A two-head geometry of state [dv, dk] (GDN, KDA: one key head)."""
+    if arch == "mamba2":
+        return dict(nheads=2, headdim=dv, dstate=dk, ngroups=1)
+    return dict(num_k_heads=1, num_v_heads=2, head_k_dim=dk, head_v_dim=dv)
+
+
+def check_any_dims(layer, preset, tuning, seed):
+    """Decodes and verify rounds of 4 drafts with several accept counts, a pad and staggered slots,
+    refreshes in decodes and in verifies (window 4), under ``launch.TUNING`` = ``tuning``: outputs
+    within the read format's bound of the float64 recurrence (s32_rs: to fp32 accuracy), the
+    committed states of the fp32 anchor to fp32 accuracy, the counters as the refresh rule has them."""
+    from replayssm._triton import launch  # the Triton backend's tests only
+
+    tr = Tracker(layer, layer.cache(3, window=4, max_draft=4, precision=preset), seed=seed)
+    tr.load([0, 1, 2])
+    tr.decode([2, 1])
+    launch.TUNING.update(tuning)
+    try:
+        for r in range(2):
+            tr.decode([0, -1, 2])
+            tr.verify([1, -1, 2, 0], 4)
+            tr.accept([r % 5, 0, 4, (r + 2) % 5])
+    finally:
+        launch.TUNING.clear()
+    tr.check_counters([0, 1, 2])
+    assert min(tr.refreshes.values()) >= 1
+    read = rs.get_precision(preset).read_format.name
+    if read == "fp32":
+        assert tr.max_rel <= 2e-5, tr.max_rel
+    else:
+        assert 1e-7 < tr.max_err / tr.max_ref <= READ_BOUND[read], tr.max_err / tr.max_ref
+    assert tr.state_error([0, 1, 2]) <= 1e-5
+
+
 # ------------------------------------------------------------------------------------------------
 # A draft-tree drafter for the transformers integration tests
 # ------------------------------------------------------------------------------------------------

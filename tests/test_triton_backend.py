@@ -1,7 +1,8 @@
 """The Triton backend, run by Triton's interpreter on the CPU (TRITON_INTERPRET=1, conftest),
 against the float64 recurrence and against the PyTorch backend: decode across refreshes,
 speculative rounds with every accept count, pad slots, slots at different window positions,
-and the two-precision invariants. Geometries are the smallest the kernels tile (dims >= 16)."""
+and the two-precision invariants. Geometries are small: dims of 16 and 32 mostly, and heads of any
+dims (``ANY_DIMS``)."""
 import pytest
 import torch
 
@@ -193,13 +194,20 @@ def test_triton_heads_of_16_row_multiples_match_float64(arch):
     assert all(torch.equal(anchors[0], a) for a in anchors[1:])
 
 
-def test_triton_rejects_geometry_it_cannot_tile():
-    cache = rs.Mamba2Cache(2, 2, 8, 16)
-    before = helpers.snapshot(cache)
-    with pytest.raises(ValueError, match="dv"):
-        rs.mamba2_decode(cache, torch.tensor([0]), torch.randn(1, 2, 8), torch.rand(1, 2), -torch.rand(2),
-                         torch.randn(1, 1, 16), torch.randn(1, 1, 16), backend="triton")
-    assert helpers.snapshot_diff(before, helpers.snapshot(cache)) == []
+#: Heads whose dims are neither powers of two nor multiples of 16: dv = 8 and 24 (programs of one
+#: 8-row block, NVFP4 global scales per 8 rows), dk = 24 and 48 (column tiles of 32 and 64 masked
+#: from dk on; fp8 rows of one and two scale blocks, NVFP4 rows of two and three), dv = 3 with
+#: dk = 5 (1-row programs, an NVFP4 global scale per row). The refresh a branch of the step, or a
+#: launch of its own (split); GDN's verify products on tensor cores streamed (fp32, the default for
+#: 4 drafts) or loaded whole (output_dot), or row reductions (NVFP4).
+ANY_DIMS = [("mamba2", 8, 24, "s32_rs", {}), ("mamba2", 24, 48, "tp8_hi32", dict(split=True)),
+            ("mamba2", 3, 5, "tp4_hi32", {}), ("gdn", 24, 24, "s32_rs", {}),
+            ("gdn", 8, 48, "tp4_hi32", dict(split=True)), ("gdn", 24, 48, "tp8_hi32", dict(output_dot=True, stream=0))]
+
+
+@pytest.mark.parametrize("arch, dv, dk, preset, tuning", ANY_DIMS)
+def test_triton_heads_of_any_dims_match_float64(arch, dv, dk, preset, tuning):
+    helpers.check_any_dims(TritonLayer(arch, **helpers.any_dims(arch, dv, dk)), preset, tuning, seed=dv + dk)
 
 
 @pytest.mark.parametrize("normalize", [True, False])

@@ -2,8 +2,8 @@
 (TRITON_INTERPRET=1, conftest), against the float64 per-token recurrence (``kda_reference``):
 decode across refreshes, verify rounds with random accept counts, pads, GQA heads, per-channel
 decays in (0.2, 0.9999), every precision preset, the anchor's independence of the read format,
-the refresh as a launch of its own and as a branch, and teeth. Geometries are the smallest the
-kernels tile (dk = dv = 16; dk = 32 where a preset has an fp8 format)."""
+the refresh as a launch of its own and as a branch, heads of any dims, and teeth. Geometries are
+small (dk = dv = 16; dk = 32, a whole fp8 scale block, for every preset)."""
 import pytest
 import torch
 
@@ -20,7 +20,7 @@ from replayssm.kda import triton as kda_triton  # noqa: E402
 
 #: Two value heads reading one key head (GQA ratio 2).
 GEOMETRY = dict(num_k_heads=1, num_v_heads=2, head_k_dim=16, head_v_dim=16)
-#: fp8 formats need dk >= 32.
+#: Rows of one whole fp8 scale block (dk = 32).
 WIDE_K = dict(num_k_heads=1, num_v_heads=2, head_k_dim=32, head_v_dim=16)
 
 
@@ -187,12 +187,20 @@ def test_triton_bf16_inputs_and_explicit_scale(normalize):
     assert (cache.materialize(slots[[0, 2]]).double() - ref).abs().max() <= helpers.S32_TOL
 
 
+@pytest.mark.parametrize("dv, dk, preset, tuning", [(8, 24, "s32_rs", {}), (24, 48, "tp8_hi32", dict(split=True)),
+                                                     (8, 24, "tp4_hi32", {})])
+def test_triton_heads_of_any_dims_match_float64(dv, dk, preset, tuning):
+    """dv = 8, 24 and dk = 24, 48 (``test_triton_backend.ANY_DIMS``): decode and verify rounds of 4
+    drafts against the float64 recurrence, the refresh a branch of the step or a launch of its own."""
+    helpers.check_any_dims(make_layer(dv + dk, **helpers.any_dims("kda", dv, dk)), preset, tuning, seed=dv)
+
+
 @triton.jit
 def _first_channel_decays(bg_ptr, g_ptr, row, pid_b, h, vhead, HV, T: tl.constexpr, L: tl.constexpr,
-                          LP: tl.constexpr, DK: tl.constexpr):
+                          LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr):
     """A broken ``_log_decays``: channel 0's log decay for every channel (a GDN-style decay)."""
-    G = window_rows(bg_ptr, g_ptr, row, pid_b, h, vhead, HV, tl.arange(0, DK), DK, T, L, LP)
-    first = tl.sum(tl.where(tl.arange(0, DK)[None, :] == 0, G, 0.0), 1)
+    G = window_rows(bg_ptr, g_ptr, row, pid_b, h, vhead, HV, tl.arange(0, DKP), DK, T, L, LP)
+    first = tl.sum(tl.where(tl.arange(0, DKP)[None, :] == 0, G, 0.0), 1)
     return first[:, None] + tl.zeros_like(G)
 
 
