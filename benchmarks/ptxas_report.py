@@ -2,7 +2,7 @@
 (sm_90a) on a machine without a GPU: the launches of one step on a CPU cache are recorded instead of
 run, compiled by Triton for the GPU target, and assembled by the ptxas that ships in triton's wheel.
 
-    PYTHONPATH=src python3 benchmarks/ptxas_report.py [--arch mamba2,gdn,kda] [--presets s32_rs,tp8_hi32] [--shapes 32x1,64x4ok3] [--draft 4] [--tree]
+    PYTHONPATH=src python3 benchmarks/ptxas_report.py [--arch mamba2,gdn,kda] [--presets s32_rs,tp8_hi32] [--shapes 32x1,64x4ok3] [--draft 4] [--tree] [--dims 24,48]
 
 High register counts mean few programs per multiprocessor (65536 registers per SM); spills go to
 local memory. ``sass`` counts the kernel's machine instructions (nvdisasm; the kernels unroll their
@@ -36,9 +36,15 @@ GEOMETRY = {"mamba2": dict(nheads=128, headdim=64, dstate=128, ngroups=8, buffer
             "kda": dict(num_k_heads=32, num_v_heads=32, head_k_dim=128, head_v_dim=128, buffer_dtype=torch.bfloat16)}
 
 
-def record_step(arch: str, preset: str, T: int = 1, tree: bool = False):
+#: The head dims (dv, dk) of each geometry, which ``--dims`` replaces.
+HEAD_DIMS = {"mamba2": ("headdim", "dstate"), "gdn": ("head_v_dim", "head_k_dim"), "kda": ("head_v_dim", "head_k_dim")}
+
+
+def record_step(arch: str, preset: str, T: int = 1, tree: bool = False, dims=None):
     """The (kernel, args, kwargs) of one decode (T = 1) or verify step, recorded, not run; with
-    ``tree``, a verify of a draft tree (every draft a child of the root's first child)."""
+    ``tree``, a verify of a draft tree (every draft a child of the root's first child); ``dims``:
+    (dv, dk) in place of the geometry's."""
+    geometry = dict(GEOMETRY[arch], **({} if dims is None else dict(zip(HEAD_DIMS[arch], dims))))
     calls = []
     launch.LAUNCHER = lambda kernel, grid, args, kwargs: calls.append((kernel, args, kwargs))
     try:
@@ -47,7 +53,7 @@ def record_step(arch: str, preset: str, T: int = 1, tree: bool = False):
         b, slots = 2, torch.arange(2)
         parents = dict(parents=torch.tensor([[-1] + [0] * (T - 1)] * b)) if tree else {}
         if arch == "mamba2":
-            c = rs.Mamba2Cache(2, window=16, max_draft=max(4, T), precision=preset, **GEOMETRY[arch])
+            c = rs.Mamba2Cache(2, window=16, max_draft=max(4, T), precision=preset, **geometry)
             H, P, N, G = c.nheads, c.dv, c.dk, c.ngroups
             args = (r(b, T, H, P), r(b, T, H), -torch.rand(H), r(b, T, G, N), r(b, T, G, N), r(H), r(b, T, H, P),
                     torch.zeros(H), True)
@@ -57,7 +63,7 @@ def record_step(arch: str, preset: str, T: int = 1, tree: bool = False):
         else:
             cache_type, decode, verify = {"gdn": (rs.GDNCache, rs.gdn_decode, rs.gdn_verify),
                                           "kda": (rs.KDACache, rs.kda_decode, rs.kda_verify)}[arch]
-            c = cache_type(2, window=16, max_draft=max(4, T), precision=preset, **GEOMETRY[arch])
+            c = cache_type(2, window=16, max_draft=max(4, T), precision=preset, **geometry)
             HK, HV, K, V = c.num_k_heads, c.num_v_heads, c.head_k_dim, c.head_v_dim
             decay = (b, T, HV, K) if arch == "kda" else (b, T, HV)  # KDA: one per key channel
             args = (r(b, T, HK, K), r(b, T, HK, K), r(b, T, HV, V), -torch.rand(*decay), torch.rand(b, T, HV))
@@ -145,6 +151,7 @@ def main(argv=None):
                          "DIR/<arch>_<preset>_T<draft>_<kernel>.txt, to diff against another source tree's")
     ap.add_argument("--tuning", action="append", default=[], metavar="KEY=INT",
                     help="a launch.TUNING entry for every compile, e.g. pin=0 (repeatable)")
+    ap.add_argument("--dims", metavar="DV,DK", help="head dims in place of the real geometries' (e.g. 24,48)")
     ap.add_argument("--batch", type=int, default=256,
                     help="the batch whose default launches to compile (steps are recorded on two slots)")
     args = ap.parse_args(argv)
@@ -162,7 +169,8 @@ def main(argv=None):
                 launch.TUNING.update(extra)
                 if shape != "default":
                     launch.TUNING.update(launch.parse_shape(shape))
-                for kernel, a, kw in record_step(arch, preset, args.draft, args.tree):
+                dims = None if args.dims is None else tuple(int(d) for d in args.dims.split(","))
+                for kernel, a, kw in record_step(arch, preset, args.draft, args.tree, dims):
                     if not any(part in kernel.fn.__name__ for part in ("step", "refresh", "scores", "solve")):
                         continue
                     if args.instructions:
