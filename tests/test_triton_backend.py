@@ -309,7 +309,9 @@ def test_a_triton_step_is_three_or_four_launches_and_no_pytorch_compute(arch):
 
 def test_step_shapes_follow_the_policy():
     """``launch.step_shape``: the table by draft length, rows kept to whole fold sub-tiles and
-    NVFP4 row blocks, no tensor-core products for an NVFP4 read copy, sweep labels."""
+    NVFP4 row blocks (of fewer than 16 rows for small or odd dv), no tensor-core products for an
+    NVFP4 read copy, sweep labels; ``launch.column_pad``: dk padded to a power of two >= 16, >= 32
+    with fp8."""
     from replayssm._triton import launch
 
     wide = rs.GDNCache(1, 1, 2, 32, 128, precision="s32_rs")
@@ -322,6 +324,10 @@ def test_step_shapes_follow_the_policy():
     assert launch.step_shape(fp4, "gdn", 4).rows == 32 and not launch.step_shape(fp4, "gdn", 4).output_dot
     small = rs.Mamba2Cache(1, 2, 16, 32)
     assert launch.step_shape(small, "mamba2").rows == 16
+    odd = rs.GDNCache(1, 1, 2, 48, 24, precision="tp8_hi32")  # dk = 48, dv = 24: 8-row blocks
+    assert launch.step_shape(odd, "gdn").rows == 8 and launch.column_pad(odd) == 64
+    assert launch.step_shape(rs.Mamba2Cache(1, 2, 3, 5), "mamba2").rows == 1
+    assert [launch.column_pad(rs.Mamba2Cache(1, 1, 16, 8, precision=p)) for p in ("s32_rs", "tp8_hi32")] == [16, 32]
     try:
         launch.TUNING.update(rows=48)
         assert launch.step_shape(wide, "gdn").rows == launch.FOLD_ROWS
