@@ -128,18 +128,25 @@ def test_kimi_greedy_parity():
         assert (c["refreshes"] >= 4).all() and (c["tokens"] == NEW_TOKENS - 1).all()
 
 
-def test_kimi_patch_passes_its_backend_to_the_kda_calls():
-    """The patch's backend reaches ``rs.kda_decode``: backend='triton' on this model's 8-wide heads,
-    which the Triton kernels cannot tile, is refused with the ValueError naming dv (the KDA
-    kernels themselves: test_triton_kda.py); backend='torch' decodes as transformers does."""
+def test_kimi_patch_passes_its_backend_to_the_kda_calls(monkeypatch):
+    """The patch's backend reaches ``rs.kda_decode``: backend='triton' runs the KDA kernels (the
+    interpreter here, on this model's 8-wide heads) and backend='torch' none, both decoding as
+    transformers does."""
+    from replayssm._triton import launch
+
     model = model_of()
     ids, mask = _padded_batch()
-    with rst.patch(model, window=WINDOW, backend="triton"), pytest.raises(ValueError, match="dv"):
-        _greedy(model, ids, mask, n=3)
-    ref = _greedy(model, ids, mask, n=10)
-    with rst.patch(model, window=WINDOW, backend="torch"):
-        out = _greedy(model, ids, mask, n=10)
-    assert torch.equal(out.sequences, ref.sequences) and _max_logit_diff(ref, out) <= LOGIT_ATOL
+    ref = _greedy(model, ids, mask, n=6)
+    for backend in ("triton", "torch"):
+        launched = []
+        real = launch.LAUNCHER
+        monkeypatch.setattr(launch, "LAUNCHER", lambda kernel, grid, args, kwargs: launched.append(kernel.fn.__name__)
+                            or real(kernel, grid, args, kwargs))
+        with rst.patch(model, window=WINDOW, backend=backend):
+            out = _greedy(model, ids, mask, n=6)
+        monkeypatch.setattr(launch, "LAUNCHER", real)
+        assert ("_kda_step_kernel" in launched) == (backend == "triton"), (backend, sorted(set(launched)))
+        assert torch.equal(out.sequences, ref.sequences) and _max_logit_diff(ref, out) <= LOGIT_ATOL
 
 
 def test_kimi_per_channel_decay_has_teeth(monkeypatch):
