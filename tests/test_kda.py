@@ -307,19 +307,22 @@ def test_slots_pending_and_accept():
 
 @pytest.mark.parametrize("verify", [False, True])
 def test_backend_choice_and_triton_geometry(verify, monkeypatch):
-    """backend='triton' on a geometry its kernels cannot tile (dv = 8) raises a ValueError naming
-    dv; an unknown backend names ``backend``; the cache is unchanged after each; backend=None
-    picks Triton for a CUDA cache. (The kernels themselves: test_triton_kda.py.)"""
+    """backend='triton' runs a geometry of 8-wide heads (masked tiles) and agrees with
+    backend='torch' on the same cache; an unknown backend names ``backend`` and leaves the cache
+    unchanged; backend=None picks Triton for a CUDA cache. (The kernels themselves:
+    test_triton_kda.py.)"""
     layer, cache, _ = _setup()
+    _, twin, _ = _setup()
+    assert cache.dv == 8 and snapshot_diff(snapshot(cache), snapshot(twin)) == []
     slots = torch.tensor([0, 1])
     args = _args(layer, 3, 2, 2 if verify else None)
-    _rejects(cache, lambda: _call(cache, slots, args, verify, backend="triton"), "dv")
     _rejects(cache, lambda: _call(cache, slots, args, verify, backend="cuda"), "backend")
     monkeypatch.setattr(backend_module, "triton_available", lambda: True)
     monkeypatch.setattr(cache, "device", torch.device("cuda", 0))  # what backend=None sees on a GPU
     assert backend_module.pick_backend(cache) == "triton"
     monkeypatch.undo()
-    _call(cache, slots, args, verify, backend="torch")
+    ref = _call(twin, slots, args, verify, backend="torch")
+    torch.testing.assert_close(_call(cache, slots, args, verify, backend="triton"), ref, rtol=1e-4, atol=1e-5)
 
 
 def test_load_state_and_construction():
