@@ -87,6 +87,15 @@ def window_rows(buf_ptr, in_ptr, row, pid_b, h, head, NH, cols, WIDTH: tl.conste
 
 
 @triton.jit
+def window_keys(bk_ptr, row, khead, h, ck, HK, DK: tl.constexpr, L: tl.constexpr, LP: tl.constexpr):
+    """[LP, len(ck)] fp32 committed keys of key head ``khead`` in the buffer (bk [rows, L, HK, DK]),
+    columns ``ck`` (zero from DK on), entries j < h (zero after)."""
+    j = tl.arange(0, LP)
+    return tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :],
+                   mask=(j < h)[:, None] & within(ck, DK)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
 def window_scalars(buf_ptr, in_ptr, row, pid_b, h, head, NH, T: tl.constexpr, L: tl.constexpr,
                    LP: tl.constexpr):
     """[LP] fp32 window of a per-token, per-head scalar field (buffer [rows, L, NH], inputs [b, T, NH])."""

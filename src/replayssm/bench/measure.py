@@ -15,6 +15,20 @@ def reference_step(p: Problem, state, inp, prm, t):
     return LAYERS[p.arch].reference_step(state, inp, prm, t)
 
 
+def _gate_setup(p0: Problem, preset, window, max_draft, device, seed):
+    """What a correctness gate starts from: (generator, a cache of b + 8 slots with bf16 buffers,
+    b slot ids in random order with every 37th a pad, valid [b], the loaded random states in
+    float64 [b, ...], the layer's constants)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    b = p0.batch
+    cache = suite.make_cache(p0, b + 8, preset, window, max_draft, device, buffer_dtype=torch.bfloat16)
+    slots = torch.randperm(b + 8, device=device, generator=gen)[:b]
+    slots[::37] = -1  # pads
+    state = torch.randn(b, *cache.state_shape, device=device, generator=gen) * 0.1
+    cache.load_state(slots, state)
+    return gen, cache, slots, slots >= 0, state.double(), suite.make_params(p0, device, gen)
+
+
 def correctness(p0: Problem, preset, device="cuda", backend=None, steps=20, rounds=6, T=4, window=16,
                 seed=0, call=None):
     """Decode ``steps`` tokens, then ``rounds`` verify/accept rounds (random accept counts), with pad
@@ -22,16 +36,8 @@ def correctness(p0: Problem, preset, device="cuda", backend=None, steps=20, roun
     float64 recurrence. ``call`` replaces ``suite.replay_call`` (tests use it to plant a broken
     kernel). Returns (max abs err, relative err of outputs, max state err)."""
     call = call or suite.replay_call
-    gen = torch.Generator(device=device).manual_seed(seed)
     b = p0.batch
-    cache = suite.make_cache(p0, b + 8, preset, window, T, device, buffer_dtype=torch.bfloat16)
-    slots = torch.randperm(b + 8, device=device, generator=gen)[:b]
-    slots[::37] = -1  # pads
-    valid = slots >= 0
-    state = torch.randn(b, *cache.state_shape, device=device, generator=gen) * 0.1
-    cache.load_state(slots, state)
-    ref = state.double()
-    prm = suite.make_params(p0, device, gen)
+    gen, cache, slots, valid, ref, prm = _gate_setup(p0, preset, window, T, device, seed)
     err = rel_num = rel_den = 0.0
 
     def acc(y, yr, rows):
@@ -180,16 +186,8 @@ def tree_correctness(p0: Problem, preset, parents: list, device="cuda", backend=
     ``call`` replaces ``suite.replay_call``. Returns (max abs err, relative err of outputs, max
     state err)."""
     call = call or suite.replay_call
-    gen = torch.Generator(device=device).manual_seed(seed)
     b, T = p0.batch, len(parents)
-    cache = suite.make_cache(p0, b + 8, preset, window, T, device, buffer_dtype=torch.bfloat16)
-    slots = torch.randperm(b + 8, device=device, generator=gen)[:b]
-    slots[::37] = -1  # pads
-    valid = slots >= 0
-    state = torch.randn(b, *cache.state_shape, device=device, generator=gen) * 0.1
-    cache.load_state(slots, state)
-    ref = state.double()
-    prm = suite.make_params(p0, device, gen)
+    gen, cache, slots, valid, ref, prm = _gate_setup(p0, preset, window, T, device, seed)
     err = num = den = 0.0
     p1 = Problem(p0.arch, p0.dims, b, 1)
     for s in range(window // 2 + 1):  # staggered: row i starts decoding at step i % 5

@@ -41,7 +41,7 @@ from .._triton.launch import after_previous_launch
 from .._triton.solve import unit_lower_inverse
 from .._triton.decay import segment_along, softplus
 from .._triton.window import (ancestor_loads, ancestor_masks, draft_view, due_slot, list_due, slot_cursor, slot_row,
-                              step_cursor, window_scalars)
+                              step_cursor, window_keys, window_scalars)
 from .._triton.formats import (column, load_query, load_read, load_tile, matvec, pin_vector_width,
                                products_on_tensor_cores, read_copy_from_anchor, streamed_products, within,
                                write_checkpoint)
@@ -119,8 +119,7 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_p
             ancestor_masks(parents_ptr, anc_ptr, gaps_ptr, pid_b, valid, row, T, MAXD)
     j = tl.arange(0, LP)
     seen = tl.where(need, 0, h)  # committed entries the new tokens see: none after a refresh
-    K_old = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :],
-                    mask=(j < seen)[:, None] & cols[None, :], other=0.0).to(tl.float32)
+    K_old = window_keys(bk_ptr, row, khead, seen, ck, HK, DK, L, LP)
     # the new keys and queries, prepared in registers: the window's new entries are scored from
     # here, not read back from kn / qn
     keys, queries = (), ()
@@ -166,8 +165,7 @@ def _gdn_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bg_ptr, bbeta_ptr
         r = c + it * tl.num_programs(1)
         if r < count:
             pid_b, row, h = due_slot(due_ptr, slots_ptr, cursors_ptr, r)
-            K_c = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :],
-                          mask=(j < h)[:, None] & within(ck, DK)[None, :], other=0.0).to(tl.float32)
+            K_c = window_keys(bk_ptr, row, khead, h, ck, HK, DK, L, LP)
             gram = tl.dot(K_c, tl.trans(K_c), input_precision="ieee")  # k_j . k_i
             X, ec, es, total = _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L, LP, SQUARINGS)
             base = (pid_b * HV + vh) * LP  # [RP]

@@ -59,7 +59,7 @@ from .._triton.formats import (
 )
 from .._triton.launch import after_previous_launch
 from .._triton.solve import unit_lower_inverse
-from .._triton.window import due_slot, list_due, slot_cursor, slot_row, step_cursor, window_rows
+from .._triton.window import due_slot, list_due, slot_cursor, slot_row, step_cursor, window_keys, window_rows
 from ..gdn.triton import (
     SOLVE_WARPS,
     _token_loads,  # the new tokens' inputs, laid out per value head as GDN's per key head
@@ -181,14 +181,12 @@ def _kda_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bg_ptr, g_ptr, bb
     after_previous_launch(PDL)
     khead, c = tl.program_id(0), tl.program_id(1)
     ck = tl.arange(0, DKP)
-    j = tl.arange(0, LP)
     count = tl.load(due_ptr)
     for it in tl.range(0, ROUNDS, num_stages=1):  # a constant trip count: the interpreter needs one
         r = c + it * tl.num_programs(1)
         if r < count:
             pid_b, row, h = due_slot(due_ptr, slots_ptr, cursors_ptr, r)
-            K_c = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :],
-                          mask=(j < h)[:, None] & within(ck, DK)[None, :], other=0.0).to(tl.float32)
+            K_c = window_keys(bk_ptr, row, khead, h, ck, HK, DK, L, LP)
             for vv in tl.range(0, RATIO):  # a loop, not unrolled: registers
                 _refresh_scalars(bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr, K_c, row, pid_b,
                                  khead * RATIO + vv, h, HV, L, LP, DK, DKP, SQUARINGS)
