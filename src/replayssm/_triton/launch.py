@@ -20,6 +20,11 @@ A step is three launches (GDN: four) with no host synchronization and no PyTorch
    It must follow launch 2 because a refreshing slot writes its new tokens at positions 0..T-1,
    which other programs of launch 2 are still folding.
 
+Where the policy says so (``StepShape.beside``: GDN decode from fp32 and 2-byte read copies), the
+slots due run on a side stream (``side_stream``): their solve, then a step launch over them only
+whose programs refresh first (``DUE_ONLY``), beside the step launch over the others (``NOT_DUE``);
+the current stream waits for both before ``advance_kernel``.
+
 Every launch goes through ``run``; at small batches (``programmatic``) each one is scheduled while
 the one before it drains, and waits for it before its first memory access (``after_previous_launch``).
 
@@ -30,6 +35,7 @@ depends on the layout, so the anchor's bits are the same for every read format.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from typing import NamedTuple
@@ -236,6 +242,37 @@ def run(kernel, grid, *args, **kwargs):
     LAUNCHER(kernel, grid, args, kwargs)
 
 
+#: A step launch's ``DUE``: which batch rows its programs work on.
+EVERY_SLOT, NOT_DUE, DUE_ONLY = 0, 1, 2
+
+
+@functools.lru_cache(maxsize=None)
+def _side_stream(device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device, priority=-1)  # high priority: its programs start first
+
+
+@contextlib.contextmanager
+def side_stream(device):
+    """Launches inside run on a high-priority side stream of ``device``, after the work queued so far
+    on the current stream and beside what is queued there next, until ``join_side_stream``. The
+    slots due to refresh (a few per staggered step) then run beside the other slots' step instead
+    of before it: their latency-bound refresh hides under the other programs' streaming. Off the
+    GPU, in order on the current stream."""
+    if device.type != "cuda":
+        yield
+        return
+    side = _side_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        yield
+
+
+def join_side_stream(device):
+    """The current stream waits for the side stream's launches (``side_stream``)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).wait_stream(_side_stream(device))
+
+
 def advance(cache, slots, T: int, commit: bool, shared_fields: dict):
     """Launch ``advance_kernel``: write the shared buffer fields (name -> input [b, T, ...]) of
     the new tokens and move the cursors."""
@@ -312,6 +349,9 @@ class StepShape(NamedTuple):
     maxnreg: int = 0  #: a register cap for the step kernel (ptxas), 0 = none
     refresh_warps: int = 2  #: warps per program of a split refresh launch (32 rows per program)
     refresh_maxnreg: int = 0  #: a register cap for the split refresh launch (ptxas), 0 = none
+    beside: bool = False  #: the slots due stepped in a launch of their own (``DUE_ONLY``; after their
+    #: refresh launch with split, else the refresh a branch) on a side stream (``side_stream``), beside
+    #: the step of the other slots (``NOT_DUE``)
 
 
 #: Step shapes by (architecture, read format): entries (least draft length, fields of StepShape that
@@ -334,6 +374,13 @@ class StepShape(NamedTuple):
 #:   instead of 252), tp16_hi32 836.2 with 168 (128: 852.8, none: 846.2). NVFP4 read copies take none: with a 2-byte
 #:   anchor (tp4_hi16_sr) a cap of 128 spills 1.4 KB.
 #:
+#: - the slots due on a side stream beside the other slots' step (``beside``, 2026-12): GDN decode
+#:   s32_rs 365.3 with each refresh a branch of its step (a refresh launch, then the step: 377.4; the
+#:   slots due beside after their refresh launch: 369.5; the side stream at normal priority: 367.3;
+#:   the same launches in order on one stream: 378.1; every slot refreshing: 1240.9 against 1323.0),
+#:   tp16_hi32 313.4 (332.2), verify of T = 4 tp8_hi32 904.7 after their refresh launch (928.3);
+#:   slower or no faster, so not taken: decode tp8_hi32 296.2 / 301.3 (292.2), verify of T = 4
+#:   s32_rs 803.9 (808.1), tp16_hi32 786.3 (788.3). bf16 read copies take fp16's choice (not timed).
 #: - verify of T = 4 from fp32, the step kernel's shape (2026-12 sweep, us per round): Mamba-2 1 warp
 #:   639.1 (2 warps 892.4, 4 warps 888.3, 4 warps capped at 80 registers 841.6, 1 warp capped at 200
 #:   807.7; products on tensor cores, streamed: 726.8); GDN streamed products 805.0 (loaded whole
@@ -348,21 +395,26 @@ class StepShape(NamedTuple):
 #: 16 per thread, 3.
 BASE_SHAPE = StepShape(rows=32, warps=1, pin=0, output_dot=False, stream=0, split=True, stages=3)
 _VERIFY_DOT = dict(output_dot=True, stream=3)
+_BESIDE = dict(split=False, beside=True)  # the slots due beside the others, each refresh a branch of its step
 SHAPES = {
     ("mamba2", "fp32"): ((1, dict(split=False, stages=2)), (2, dict(pin=16))),
     ("mamba2", "fp16"): ((1, dict(pin=16, split=False, stages=2, maxnreg=168)), (2, dict(pin=16))),
     ("mamba2", "bf16"): ((1, dict(pin=16, split=False, stages=2, maxnreg=168)), (2, dict(pin=16))),
     ("mamba2", "fp8_e4m3"): ((1, {}),),
     ("mamba2", "nvfp4"): ((1, dict(warps=4, refresh_warps=4)),),
-    ("gdn", "fp32"): ((1, dict(pin=16, refresh_maxnreg=128)), (4, dict(refresh_maxnreg=128, **_VERIFY_DOT))),
-    ("gdn", "fp16"): ((1, dict(pin=8, refresh_maxnreg=168)), (4, dict(refresh_maxnreg=168, **_VERIFY_DOT))),
-    ("gdn", "bf16"): ((1, dict(pin=16, refresh_maxnreg=168)), (4, dict(refresh_maxnreg=168, **_VERIFY_DOT))),
-    ("gdn", "fp8_e4m3"): ((1, dict(refresh_maxnreg=128)), (4, dict(refresh_maxnreg=128, **_VERIFY_DOT))),
+    ("gdn", "fp32"): ((1, dict(pin=16, refresh_maxnreg=128, **_BESIDE)), (4, dict(refresh_maxnreg=128, **_VERIFY_DOT))),
+    ("gdn", "fp16"): ((1, dict(pin=8, refresh_maxnreg=168, **_BESIDE)), (4, dict(refresh_maxnreg=168, **_VERIFY_DOT))),
+    ("gdn", "bf16"): ((1, dict(pin=16, refresh_maxnreg=168, **_BESIDE)), (4, dict(refresh_maxnreg=168, **_VERIFY_DOT))),
+    ("gdn", "fp8_e4m3"): ((1, dict(refresh_maxnreg=128)),
+                          (4, dict(refresh_maxnreg=128, beside=True, **_VERIFY_DOT))),
     ("gdn", "nvfp4"): ((1, dict(warps=4)),),
 }
 # KDA's step kernel runs GDN's inner loop (its per-channel decays are applied in the scores launch):
-# GDN's shapes, not swept for KDA on their own
-SHAPES.update({("kda", fmt): entries for (arch, fmt), entries in list(SHAPES.items()) if arch == "gdn"})
+# GDN's shapes, not swept for KDA on their own, with the refresh in a launch of their own where GDN
+# has the slots due beside the others (KDA's launches have no side stream)
+SHAPES.update({("kda", fmt): tuple((least, dict(fields, beside=False, split=True) if fields.get("beside") else fields)
+                                   for least, fields in entries)
+               for (arch, fmt), entries in list(SHAPES.items()) if arch == "gdn"})
 
 #: Overrides of ``step_shape``'s fields for benchmark sweeps ({"rows": 64, "warps": 2, ...});
 #: ``parse_shape`` reads them from a label. Empty in normal use.
@@ -392,7 +444,7 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
         if T >= least:
             found = BASE_SHAPE._replace(**fields)
     if batch < SPLIT_MIN_BATCH:
-        found = found._replace(split=False)
+        found = found._replace(split=False, beside=False)
     found = found._replace(**TUNING)
     rows = found.rows
     if cache.dv <= FOLD_ROWS or cache.dv % FOLD_ROWS or _uses_nvfp4(cache):
@@ -407,13 +459,16 @@ def parse_shape(text: str) -> dict:
     """``TUNING`` overrides from a sweep label: "RxW" = R rows per program, W warps; then optional
     "v" and the pinned elements per thread, "o" (outputs' products on tensor cores), "k" and the
     chunks in flight of a streamed read copy (2 if none given), "s" (a refresh launch of its own,
-    optionally with its warps) or "f" (the refresh a branch of the step), "n" and the fold's
+    optionally with its warps) or "f" (the refresh a branch of the step), "b" (the slots due beside
+    the others, ``StepShape.beside``; "fb": with the refresh a branch of their step), "n" and the fold's
     pipeline stages, "r" and a register cap. E.g. "32x1", "32x1v16", "64x4ok3", "32x1v16s2n3", "32x1f"."""
-    m = re.fullmatch(r"(\d+)x(\d+)(?:v(\d+))?(o)?(?:k(\d*))?(?:s(\d*)|(f))?(?:n(\d+))?(?:r(\d+))?", text)
+    m = re.fullmatch(r"(\d+)x(\d+)(?:v(\d+))?(o)?(?:k(\d*))?(?:s(\d*)|(f))?(b)?(?:n(\d+))?(?:r(\d+))?", text)
     if not m:
         raise ValueError(f"cannot read the shape label {text!r} (e.g. '32x1', '32x1v16', '64x4ok3')")
-    rows, warps, pin, dot, stream, split, fused, stages, maxnreg = m.groups()
+    rows, warps, pin, dot, stream, split, fused, beside, stages, maxnreg = m.groups()
     out = dict(rows=int(rows), warps=int(warps))
+    if beside:
+        out["beside"] = True
     if fused:
         out["split"] = False
     if split is not None:

@@ -5,7 +5,9 @@ A step is four launches (``_triton/launch.py``): ``_gdn_scores_kernel`` (the inp
 and key head; the list of slots due to refresh), ``_gdn_solve_kernel`` (for the slots due only:
 the decays and the inverse of the residual system), ``_gdn_step_kernel`` (one program per block of state rows, value head and batch row; GDN's
 residuals are separable over state rows) and ``launch.advance`` (shared buffer fields k, g, beta
-and the cursors).
+and the cursors). Where the launch policy puts the slots due beside the others
+(``launch.StepShape.beside``), their solve and a step launch over them only, each program refreshing
+its rows first, run on a side stream beside the step launch over the other slots.
 
 A program whose slot is due re-solves the committed residuals from the *anchor*. With c_j the log
 decay from the checkpoint through entry j and g(i, j] the one between entries, the residuals solve
@@ -294,26 +296,21 @@ def _token_loads(q_ptr, k_ptr, v_ptr, beta_ptr, scores_ptr, bv_ptr, pid_b, head,
 
 
 @triton.jit
-def _gdn_step_kernel(
+def _gdn_step_program(
+        pid_v, head, pid_b, valid, row, h, need,
         slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, decays_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
         bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, bu_ptr,
         q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, scores_ptr, anc_ptr, o_ptr,
-        SCRATCH, HV, HK,
+        HV, HK,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr,
         KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr, STREAM: tl.constexpr,
         PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr,
-        TREE: tl.constexpr, PDL: tl.constexpr):
-    """TREE: draft s sees the committed entries and its ancestors only (``anc`` [b, T], the
-    scores launch's bitmasks): its decays are summed along that path and its residual solves
-    against its ancestors' residuals only; else a chain."""
-    after_previous_launch(PDL)
-    # row blocks vary fastest: programs running side by side stream one slot's contiguous state
-    pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
-    h, need = step_cursor(cursors_ptr, pid_b, valid, T, L)
+        TREE: tl.constexpr):
+    """Rows pid_v BV .. (pid_v + 1) BV of value head ``head`` of batch row ``pid_b`` (storage row
+    ``row``, h committed entries, ``need``: due to refresh, folded here first when REFRESH)."""
     khead = head // (HV // HK)
     mat = row * HV + head
     gidx = mat * (DV // BV) + pid_v  # NVFP4 global-scale block of these rows
@@ -378,6 +375,47 @@ def _gdn_step_kernel(
         tl.store(bu_ptr + (tok_buf * HV + head) * DV + rv, u_s)
 
 
+@triton.jit
+def _gdn_step_kernel(
+        slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, decays_ptr,
+        av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
+        bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, bu_ptr,
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, scores_ptr, anc_ptr, o_ptr, due_ptr,
+        SCRATCH, HV, HK,
+        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
+        DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr,
+        KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
+        SHARED: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr, STREAM: tl.constexpr,
+        PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr,
+        TREE: tl.constexpr, DUE: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
+    """Program (v, head, c). DUE = ``launch.EVERY_SLOT``: c is the batch row; ``launch.NOT_DUE``:
+    the same, but a slot due to refresh is left to a ``launch.DUE_ONLY`` launch; DUE_ONLY: c takes
+    the slots due of ranks c, c + n, ... (``window.list_due``, n programs per tile), each refreshed
+    (REFRESH) and stepped. TREE: draft s sees the committed entries and its ancestors only (``anc``
+    [b, T], the scores launch's bitmasks): its decays are summed along that path and its residual
+    solves against its ancestors' residuals only; else a chain."""
+    after_previous_launch(PDL)
+    # row blocks vary fastest: programs running side by side stream one slot's contiguous state
+    pid_v, head, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    count = tl.load(due_ptr) if DUE == 2 else 0
+    for it in tl.range(0, ROUNDS, num_stages=1):  # a constant trip count: the interpreter needs one
+        if DUE == 2:
+            r = c + it * tl.num_programs(2)
+            active = r < count
+            pid_b, row, h = due_slot(due_ptr, slots_ptr, cursors_ptr, tl.minimum(r, count - 1))
+            valid, need = True, True
+        else:
+            pid_b = c
+            valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
+            h, need = step_cursor(cursors_ptr, pid_b, valid, T, L)
+            active = (need == 0) if DUE == 1 else True
+        if active:
+            _gdn_step_program(
+                pid_v, head, pid_b, valid, row, h, need, slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
+                decays_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, bu_ptr,
+                q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, scores_ptr, anc_ptr, o_ptr, HV, HK, T, L, LP, DV, DK, DKP, BV, FR,
+                KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, OUTPUT_DOT, QP, STREAM, PIN, REFRESH, STAGES, READ_AFTER, TREE)
+
 #: Warps of every solve launch (``_gdn_solve_kernel``): one shape for every preset and batch.
 SOLVE_WARPS = 4
 
@@ -424,27 +462,39 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
                RP=triton.next_power_of_2(HV // HK), TREE=parents is not None, MAXD=cache.max_draft,
                **launch.due_scan(b, True))
     programs, rounds = launch.refresh_grid(b, T, cache.window)
-    launch.run(_gdn_solve_kernel, (HK, programs), slots, cursors, due, buf["k"], buf["g"], buf["beta"], tinv, decays,
-               HK, HV, L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, RP=triton.next_power_of_2(HV // HK),
-               SQUARINGS=LP.bit_length() - 2, ROUNDS=rounds, num_warps=SOLVE_WARPS)
+    solve = ((HK, programs), slots, cursors, due, buf["k"], buf["g"], buf["beta"], tinv, decays, HK, HV)
+    solve_consts = dict(L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, RP=triton.next_power_of_2(HV // HK),
+                        SQUARINGS=LP.bit_length() - 2, ROUNDS=rounds, num_warps=SOLVE_WARPS)
     FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "gdn")
     read_after = launch.read_copy_after_fold(cache)
-    if shape.split:
-        extra_refresh = {"maxnreg": shape.refresh_maxnreg} if shape.refresh_maxnreg else {}
-        launch.run(_gdn_refresh_kernel, (V // FR, HV, programs), slots, cursors,
-                   cache.tokens, cache.seeds, tinv, decays, *anchor, *read, buf["k"], buf["v"], buf["beta"], due,
-                   HV, HK, T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, FR=FR, KC=KC,
-                   STAGES=shape.stages, READ_AFTER=read_after,
-                   ROUNDS=rounds, num_warps=shape.refresh_warps, **extra_refresh, **consts)
+    refresh_args = ((V // FR, HV, programs), slots, cursors, cache.tokens, cache.seeds, tinv, decays, *anchor, *read,
+                    buf["k"], buf["v"], buf["beta"], due, HV, HK)
+    refresh_consts = dict(T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, FR=FR, KC=KC, STAGES=shape.stages,
+                          READ_AFTER=read_after, ROUNDS=rounds, num_warps=shape.refresh_warps, **consts,
+                          **({"maxnreg": shape.refresh_maxnreg} if shape.refresh_maxnreg else {}))
+    step_args = (slots, cursors, cache.tokens, cache.seeds, tinv, decays, *anchor, *read,
+                 buf["k"], buf["v"], buf["g"], buf["beta"], buf["u"],
+                 qn, kn, v, g, beta, scores, anc, o, due, cache.scratch_row, HV, HK)
+    step_consts = dict(T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, BV=shape.rows, FR=FR, KC=KC,
+                       OUTPUT_DOT=shape.output_dot, QP=max(16, triton.next_power_of_2(2 * T)), STREAM=shape.stream,
+                       PIN=shape.pin, STAGES=shape.stages, READ_AFTER=read_after, TREE=parents is not None,
+                       num_warps=shape.warps, **consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
-    launch.run(
-        _gdn_step_kernel, (V // shape.rows, HV, b),
-        slots, cursors, cache.tokens, cache.seeds, tinv, decays, *anchor, *read,
-        buf["k"], buf["v"], buf["g"], buf["beta"], buf["u"],
-        qn, kn, v, g, beta, scores, anc, o, cache.scratch_row, HV, HK,
-        T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, BV=shape.rows, FR=FR, KC=KC, OUTPUT_DOT=shape.output_dot,
-        QP=max(16, triton.next_power_of_2(2 * T)), STREAM=shape.stream, PIN=shape.pin, REFRESH=not shape.split,
-        STAGES=shape.stages, READ_AFTER=read_after, TREE=parents is not None, num_warps=shape.warps, **extra,
-        **consts)
+    if shape.beside:  # the slots due on a side stream, beside the other slots' step
+        with launch.side_stream(dev):
+            launch.run(_gdn_solve_kernel, *solve, **solve_consts)
+            if shape.split:
+                launch.run(_gdn_refresh_kernel, *refresh_args, **refresh_consts)
+            launch.run(_gdn_step_kernel, (V // shape.rows, HV, programs), *step_args, REFRESH=not shape.split,
+                       DUE=launch.DUE_ONLY, ROUNDS=rounds, **step_consts)
+        launch.run(_gdn_step_kernel, (V // shape.rows, HV, b), *step_args, REFRESH=False, DUE=launch.NOT_DUE,
+                   ROUNDS=1, **extra, **step_consts)
+        launch.join_side_stream(dev)
+    else:
+        launch.run(_gdn_solve_kernel, *solve, **solve_consts)
+        if shape.split:
+            launch.run(_gdn_refresh_kernel, *refresh_args, **refresh_consts)
+        launch.run(_gdn_step_kernel, (V // shape.rows, HV, b), *step_args, REFRESH=not shape.split,
+                   DUE=launch.EVERY_SLOT, ROUNDS=1, **extra, **step_consts)
     launch.advance(cache, slots, T, commit, {"k": kn, "g": g, "beta": beta})
     return o
