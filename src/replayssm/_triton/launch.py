@@ -380,7 +380,8 @@ class StepShape(NamedTuple):
 #:   the same launches in order on one stream: 378.1; every slot refreshing: 1240.9 against 1323.0),
 #:   tp16_hi32 313.4 (332.2), verify of T = 4 tp8_hi32 904.7 after their refresh launch (928.3);
 #:   slower or no faster, so not taken: decode tp8_hi32 296.2 / 301.3 (292.2), verify of T = 4
-#:   s32_rs 803.9 (808.1), tp16_hi32 786.3 (788.3). bf16 read copies take fp16's choice (not timed).
+#:   s32_rs 803.9 (808.1), tp16_hi32 786.3 (788.3); the launch over the slots due with 2 or 4 warps
+#:   (s32_rs 388.5, 448.2) or 2 fold stages (370.5). bf16 read copies take fp16's choice (not timed).
 #: - verify of T = 4 from fp32, the step kernel's shape (2026-12 sweep, us per round): Mamba-2 1 warp
 #:   639.1 (2 warps 892.4, 4 warps 888.3, 4 warps capped at 80 registers 841.6, 1 warp capped at 200
 #:   807.7; products on tensor cores, streamed: 726.8); GDN streamed products 805.0 (loaded whole
