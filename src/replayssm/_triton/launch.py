@@ -282,8 +282,8 @@ def token_strides(t) -> tuple[int, int, int, int]:
     a [b, T, heads] one seen as width 1: how every kernel indexes a caller's per-token tensor, so
     that views (q, k, v split from one packed projection, x, B, C from one xBC, dt from one
     in_proj output) run without a copy. Contiguous inputs pass strides (T H W, H W, W, 1), which
-    Triton specializes as it specialized the dense indexing (1 a constant, multiples of 16
-    known), so their code is the dense code."""
+    Triton specializes (1 a constant, multiples of 16 known), so their loads keep the vector
+    widths of dense indexing; only the integer address arithmetic differs."""
     st = t.stride()
     return (st[0], st[1], st[2], st[3] if t.dim() > 3 else 1)
 

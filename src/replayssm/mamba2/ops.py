@@ -74,8 +74,12 @@ def mamba2_decode(cache, slots, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt
     """One decode token per slot; refreshes the checkpoint when the window is full.
 
     slots int32/int64 [b] (-1 = pad); x [b, H, P]; dt [b, H]; A [H]; B, C [b, G, N]; D [H]; z [b, H, P];
-    dt_bias [H]. Inputs fp32/fp16/bf16. Returns y [b, H, P] (zero for pads), fp32 unless ``out_dtype``
-    (fp16/bf16: the kernels store the rounded outputs, half the bytes); written into ``out`` when given.
+    dt_bias [H]. Inputs fp32/fp16/bf16, any strides, read in place on both backends (no copy): x, B,
+    C may be views of one packed xBC tensor, z and dt of one in_proj output. As mamba_ssm's
+    ``selective_state_update`` takes them, dt may also be [b, H, P], A [H, P, N], D and dt_bias
+    [H, P], expanded with stride 0 over the head's dims (ValueError otherwise: one decay per head).
+    Returns y [b, H, P] (zero for pads), fp32 unless ``out_dtype`` (fp16/bf16: the kernels store the
+    rounded outputs, half the bytes); written into ``out`` when given.
     """
     slots, _, dt, A, D, dt_bias = _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft=False)
     dtype = checks.output_spec(out, out_dtype, tuple(x.shape), cache.device)
@@ -90,7 +94,8 @@ def mamba2_verify(cache, slots, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt
     """Verify T drafts per slot, output-only: draft s sees the checkpoint, the committed history
     and drafts 1..s. Nothing is committed: call ``cache.accept(slots, num_accepted)`` next.
 
-    x [b, T, H, P]; dt [b, T, H]; B, C [b, T, G, N]; z [b, T, H, P]; others as in decode.
+    x [b, T, H, P]; dt [b, T, H] (or [b, T, H, P] expanded with stride 0); B, C [b, T, G, N]; z
+    [b, T, H, P]; others as in decode (layouts too: any strides, read in place).
     parents int32/int64 [b, T] for a draft tree (None: a chain): parents[i, s] in [-1, s) is the
     draft that draft s follows (-1: the last committed token); draft s then sees the committed
     history and its ancestors only. Accept a root path with ``cache.accept(slots, n, path)``.
