@@ -78,13 +78,18 @@ def compile_sm90(kernel, args, kwargs):
     """Compile one recorded launch for sm_90a (Triton's compiled kernel: ``.asm`` has ttgir, ptx,
     cubin), specialized as Triton's launcher specializes it on the GPU: pointers and integers that
     are multiples of 16 carry that fact (``tt.divisibility``), which widens vector accesses and so
-    changes layouts. Without it, the compiled code is not the device's."""
+    changes layouts, and integers equal to 1 become constants. Without it, the compiled code is not
+    the device's."""
     names = kernel.arg_names
     constexprs = {k: v for k, v in kwargs.items() if k in names}
     signature, attrs = {}, {}
     for i, (name, value) in enumerate(zip(names, list(args) + [None] * (len(names) - len(args)))):
         if name in constexprs:
             signature[name] = "constexpr"
+        elif not isinstance(value, torch.Tensor) and not isinstance(value, float) and int(value) == 1:
+            signature[name] = "constexpr"  # the launcher folds integers equal to 1 (unit strides) into the code
+            constexprs[name] = 1
+            continue
         elif isinstance(value, torch.Tensor):
             signature[name] = TYPES[value.dtype]
             aligned = value.data_ptr() % 16 == 0

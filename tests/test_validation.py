@@ -68,6 +68,25 @@ def test_every_input_shape_dtype_device(arch, verify):
     _call(layer, cache, slots, args, verify)
 
 
+@pytest.mark.parametrize("verify", [False, True])
+def test_mamba2_head_dim_expanded_inputs(verify):
+    """dt, A, D, dt_bias expanded over the head's dims (stride 0, as mamba_ssm passes them) are
+    accepted; every wrong shape, dtype or device of the expanded form, and values that may differ
+    along the head's dims (stride != 0), raise ValueError naming the argument, the cache unchanged."""
+    layer, cache, _ = _setup("mamba2")
+    H, P, N = layer.H, layer.P, layer.N
+    slots = torch.tensor([0, -1, 1])
+    args = _args(layer, torch.Generator().manual_seed(6), 3, 2 if verify else None)
+    args.update(dt=args["dt"][..., None].expand(*args["dt"].shape, P), A=args["A"][:, None, None].expand(H, P, N),
+                D=args["D"][:, None].expand(H, P), dt_bias=args["dt_bias"][:, None].expand(H, P))
+    for name in ("dt", "A", "D", "dt_bias"):
+        for label, bad in _bad_variants(args[name]) + [("stride", args[name].contiguous())]:
+            if name == "A" and label == "int":
+                bad = -torch.ones_like(args[name], dtype=torch.int32)
+            _rejects(cache, lambda: _call(layer, cache, slots, {**args, name: bad}, verify), name)
+    _call(layer, cache, slots, args, verify)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_slots(arch):
     layer, cache, _ = _setup(arch)

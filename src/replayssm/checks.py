@@ -38,6 +38,27 @@ def check_tensor(name: str, t, shape: tuple, device: torch.device, dtypes=FLOAT_
         raise ValueError(f"{name} must be on {device}, got {t.device}")
 
 
+def per_head(name: str, t, shape: tuple, expanded: tuple, device: torch.device, optional: bool = False):
+    """A per-head input of ``shape`` (its last axis the heads), or the same expanded over the head's
+    state dims ``expanded`` with stride 0 there, as mamba_ssm's ``selective_state_update`` takes dt
+    [b, H, P], A [H, P, N], D and dt_bias [H, P] ("tie_hdim", ``expand``ed views). Returns the
+    ``shape`` view (the expanded dims' first entry: no copy) or None. Values that may differ along
+    the expanded dims (stride != 0 on a dim of size > 1) do not fit one decay per head: ValueError."""
+    full = (*shape, *expanded)
+    if isinstance(t, torch.Tensor) and t.dim() == len(full) and len(expanded):
+        check_tensor(name, t, full, device)
+        n = len(expanded)
+        if any(t.stride(d) != 0 and t.shape[d] != 1 for d in range(-n, 0)):
+            raise ValueError(f"{name} of shape {full} must be expanded from one value per head (stride 0 along "
+                             f"its last {n} dims, as expand() gives), got strides {tuple(t.stride())}")
+        return t[(..., *([0] * n))]
+    if isinstance(t, torch.Tensor) and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} or {full} (stride 0 along the last "
+                         f"{len(expanded)}), got {tuple(t.shape)}")
+    check_tensor(name, t, shape, device, optional=optional)
+    return t
+
+
 def values_checked(cache) -> bool:
     """Whether value checks run now: ``cache.check_values`` and no CUDA-graph capture in progress
     on the current stream (a value check synchronizes, which capture forbids)."""

@@ -292,22 +292,23 @@ def load_read(v_ptr, s_ptr, g_ptr, mat, gidx, rv, DV: tl.constexpr, DK: tl.const
 
 
 @triton.jit
-def load_query(ptr, DK: tl.constexpr, DKP: tl.constexpr, FMT: tl.constexpr):
-    """A query vector of DK elements at ``ptr`` as fp32, zero-padded to DKP, in the layout
-    ``matvec`` pairs with ``load_read``'s values: [DKP]; [DKP/32, 32]; or (even, odd) [DKP/16, 8]."""
+def load_query(ptr, se, DK: tl.constexpr, DKP: tl.constexpr, FMT: tl.constexpr):
+    """A query vector of DK elements at ``ptr`` (element stride ``se``) as fp32, zero-padded to
+    DKP, in the layout ``matvec`` pairs with ``load_read``'s values: [DKP]; [DKP/32, 32]; or
+    (even, odd) [DKP/16, 8]."""
     FULL: tl.constexpr = DKP == DK
     if FMT <= 2:
         off = tl.arange(0, DKP)
-        q = tl.load(ptr + off, mask=below(off, DK, FULL), other=0.0).to(tl.float32)
+        q = tl.load(ptr + off * se, mask=below(off, DK, FULL), other=0.0).to(tl.float32)
         return q, q
     elif FMT == 3:
         nb, e = tl.arange(0, DKP // 32)[:, None], tl.arange(0, 32)[None, :]
-        q = tl.load(ptr + nb * 32 + e, mask=below(nb * 32 + e, DK, FULL), other=0.0).to(tl.float32)
+        q = tl.load(ptr + (nb * 32 + e) * se, mask=below(nb * 32 + e, DK, FULL), other=0.0).to(tl.float32)
         return q, q
     else:
         off = tl.arange(0, DKP // 16)[:, None] * 16 + 2 * tl.arange(0, 8)[None, :]
-        return (tl.load(ptr + off, mask=below(off, DK, FULL), other=0.0).to(tl.float32),
-                tl.load(ptr + off + 1, mask=below(off + 1, DK, FULL), other=0.0).to(tl.float32))
+        return (tl.load(ptr + off * se, mask=below(off, DK, FULL), other=0.0).to(tl.float32),
+                tl.load(ptr + (off + 1) * se, mask=below(off + 1, DK, FULL), other=0.0).to(tl.float32))
 
 
 @triton.jit

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import re
 from typing import NamedTuple
 
@@ -66,22 +67,25 @@ def after_previous_launch(PDL: tl.constexpr):
 
 
 @triton.jit
-def _copy_field(src_ptr, dst_ptr, pid, row, start, T: tl.constexpr, TP: tl.constexpr,
-                L: tl.constexpr, F: tl.constexpr, F_PAD: tl.constexpr):
-    """dst[row, start + s, :F] = src[pid, s, :F] for s < T (src [b, T, F], dst [rows, L, F])."""
+def _copy_field(src_ptr, sb, st, sh, se, dst_ptr, pid, row, start, T: tl.constexpr, TP: tl.constexpr,
+                L: tl.constexpr, F: tl.constexpr, F_PAD: tl.constexpr, W: tl.constexpr):
+    """dst[row, start + s, :F] = src[pid, s] for s < T: src a [b, T, F / W, W] view of strides
+    (sb, st, sh, se) (``token_strides``), dst [rows, L, F] contiguous."""
     s = tl.arange(0, TP)[:, None]
     f = tl.arange(0, F_PAD)[None, :]
     m = (f < F) & (s < T)
-    vals = tl.load(src_ptr + (pid * T + s) * F + f, mask=m)
+    vals = tl.load(src_ptr + pid * sb + s * st + (f // W) * sh + (f % W) * se, mask=m)
     tl.store(dst_ptr + (row * L + start + s) * F + f, vals.to(dst_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def advance_kernel(slots_ptr, committed_ptr, pending_ptr, tokens_ptr, refreshes_ptr,
-                   s1, d1, s2, d2, s3, d3,
+                   s1, s1b, s1t, s1h, s1e, d1, s2, s2b, s2t, s2h, s2e, d2, s3, s3b, s3t, s3h, s3e, d3,
                    SCRATCH, T: tl.constexpr, TP: tl.constexpr, L: tl.constexpr, COMMIT: tl.constexpr,
-                   F1: tl.constexpr, F1P: tl.constexpr, F2: tl.constexpr, F2P: tl.constexpr,
-                   F3: tl.constexpr, F3P: tl.constexpr, PDL: tl.constexpr):
+                   F1: tl.constexpr, F1P: tl.constexpr, W1: tl.constexpr, F2: tl.constexpr, F2P: tl.constexpr,
+                   W2: tl.constexpr, F3: tl.constexpr, F3P: tl.constexpr, W3: tl.constexpr, PDL: tl.constexpr):
+    """Per batch row: the three shared buffer fields of the new tokens (s_i, a [b, T, ...] view of
+    strides s_ib, s_it, s_ih, s_ie, into the contiguous buffer d_i) and the cursors."""
     after_previous_launch(PDL)
     pid = tl.program_id(0)
     slot = tl.load(slots_ptr + pid)
@@ -89,9 +93,9 @@ def advance_kernel(slots_ptr, committed_ptr, pending_ptr, tokens_ptr, refreshes_
         h = tl.load(committed_ptr + slot)
         need = h + T > L
         start = tl.where(need, 0, h)
-        _copy_field(s1, d1, pid, slot, start, T, TP, L, F1, F1P)
-        _copy_field(s2, d2, pid, slot, start, T, TP, L, F2, F2P)
-        _copy_field(s3, d3, pid, slot, start, T, TP, L, F3, F3P)
+        _copy_field(s1, s1b, s1t, s1h, s1e, d1, pid, slot, start, T, TP, L, F1, F1P, W1)
+        _copy_field(s2, s2b, s2t, s2h, s2e, d2, pid, slot, start, T, TP, L, F2, F2P, W2)
+        _copy_field(s3, s3b, s3t, s3h, s3e, d3, pid, slot, start, T, TP, L, F3, F3P, W3)
         if need:
             tl.store(refreshes_ptr + slot, tl.load(refreshes_ptr + slot) + 1)
         if COMMIT:
@@ -276,15 +280,32 @@ def join_side_stream(device):
         torch.cuda.current_stream(device).wait_stream(_side_stream(device))
 
 
+def token_strides(t) -> tuple[int, int, int, int]:
+    """Strides (batch, token, head, element), in elements, of a [b, T, heads, width] input, or of
+    a [b, T, heads] one seen as width 1: how every kernel indexes a caller's per-token tensor, so
+    that views (q, k, v split from one packed projection, x, B, C from one xBC, dt from one
+    in_proj output) run without a copy. Contiguous inputs pass strides (T H W, H W, W, 1), which
+    Triton specializes (1 a constant, multiples of 16 known), so their loads keep the vector
+    widths of dense indexing; only the integer address arithmetic differs."""
+    st = t.stride()
+    return (st[0], st[1], st[2], st[3] if t.dim() > 3 else 1)
+
+
+def head_stride(t) -> int:
+    """The stride of a per-head constant [H] (A, D, dt_bias, A_log), 0 for None: a strided view
+    runs as it is."""
+    return 0 if t is None else t.stride(0)
+
+
 def advance(cache, slots, T: int, commit: bool, shared_fields: dict):
-    """Launch ``advance_kernel``: write the shared buffer fields (name -> input [b, T, ...]) of
-    the new tokens and move the cursors."""
+    """Launch ``advance_kernel``: write the shared buffer fields (name -> input [b, T, heads(,
+    width)], any strides) of the new tokens and move the cursors."""
     b = slots.shape[0]
     args, consts = [], []
     for name, src in shared_fields.items():
-        F = src[0, 0].numel()
-        args += [src.contiguous(), cache.buffer[name]]
-        consts += [F, triton.next_power_of_2(F)]
+        F = math.prod(src.shape[2:])
+        args += [src, *token_strides(src), cache.buffer[name]]
+        consts += [F, triton.next_power_of_2(F), src.shape[3] if src.dim() > 3 else 1]
     run(advance_kernel, (b,), slots, cache.committed, cache.pending, cache.tokens, cache.refreshes, *args,
         cache.scratch_row, T, triton.next_power_of_2(T), cache.window, commit, *consts)
 

@@ -71,17 +71,18 @@ def slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T: tl.constexpr, L: tl
 
 
 @triton.jit
-def window_rows(buf_ptr, in_ptr, row, pid_b, h, head, NH, cols, WIDTH: tl.constexpr,
+def window_rows(buf_ptr, in_ptr, sb, st, sh, se, row, pid_b, h, head, NH, cols, WIDTH: tl.constexpr,
                 T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr):
     """[LP, len(cols)] fp32 window of a per-token vector field: buffer [rows, L, NH, WIDTH],
-    inputs [b, T, NH, WIDTH], columns ``cols`` of head ``head`` (a tile of them, zero from WIDTH on)."""
+    inputs [b, T, NH, WIDTH] of strides (sb, st, sh, se) (``launch.token_strides``), columns
+    ``cols`` of head ``head`` (a tile of them, zero from WIDTH on)."""
     j = tl.arange(0, LP)
     ok = within(cols, WIDTH)[None, :]
     old = j < h
     new = (j >= h) & (j < h + T)
     a = tl.load(buf_ptr + ((row * L + j[:, None]) * NH + head) * WIDTH + cols[None, :],
                 mask=old[:, None] & ok, other=0.0)
-    b = tl.load(in_ptr + ((pid_b * T + j - h)[:, None] * NH + head) * WIDTH + cols[None, :],
+    b = tl.load(in_ptr + pid_b * sb + (j - h)[:, None] * st + head * sh + cols[None, :] * se,
                 mask=new[:, None] & ok, other=0.0)
     return a.to(tl.float32) + b.to(buf_ptr.dtype.element_ty).to(tl.float32)
 
@@ -96,12 +97,13 @@ def window_keys(bk_ptr, row, khead, h, ck, HK, DK: tl.constexpr, L: tl.constexpr
 
 
 @triton.jit
-def window_scalars(buf_ptr, in_ptr, row, pid_b, h, head, NH, T: tl.constexpr, L: tl.constexpr,
+def window_scalars(buf_ptr, in_ptr, sb, st, sh, row, pid_b, h, head, NH, T: tl.constexpr, L: tl.constexpr,
                    LP: tl.constexpr):
-    """[LP] fp32 window of a per-token, per-head scalar field (buffer [rows, L, NH], inputs [b, T, NH])."""
+    """[LP] fp32 window of a per-token, per-head scalar field (buffer [rows, L, NH], inputs
+    [b, T, NH] of strides (sb, st, sh))."""
     j = tl.arange(0, LP)
     a = tl.load(buf_ptr + (row * L + j) * NH + head, mask=j < h, other=0.0)
-    b = tl.load(in_ptr + (pid_b * T + j - h) * NH + head, mask=(j >= h) & (j < h + T), other=0.0)
+    b = tl.load(in_ptr + pid_b * sb + (j - h) * st + head * sh, mask=(j >= h) & (j < h + T), other=0.0)
     return a.to(tl.float32) + b.to(tl.float32)
 
 

@@ -4,7 +4,8 @@ public call -> argument checks -> input preparation (L2 norm, scale) -> backend.
 
 Both calls are inference: they run under ``torch.no_grad()``, so inputs that require grad never
 make the cache storage part of an autograd graph. Slot ids (int32 or int64, any strides) reach
-the backends as a contiguous int64 tensor; an empty batch launches nothing.
+the backends as a contiguous int64 tensor; every other input as the caller's tensor (views of
+packed projections are read in place); an empty batch launches nothing.
 """
 from __future__ import annotations
 
@@ -97,7 +98,9 @@ def gdn_decode(cache, slots, q, k, v, g=None, beta=None, scale=None, use_qk_l2no
     slots int32/int64 [b] (-1 = pad); q, k [b, HK, K]; v [b, HV, V]; g [b, HV] (log decay <= 0);
     beta [b, HV]; or instead of g and beta the raw gate inputs a, b [b, HV], A_log [HV] and
     optionally dt_bias [HV] (``gates``; on the Triton backend computed inside its first launch).
-    Inputs fp32/fp16/bf16. Returns o [b, HV, V] (zero for pads), fp32 unless ``out_dtype``
+    Inputs fp32/fp16/bf16, any strides, read in place on both backends (no copy): q, k, v may be
+    views of one packed [b, 2 HK K + HV V] projection, the gates of another. Returns o [b, HV, V]
+    (zero for pads), fp32 unless ``out_dtype``
     (fp16/bf16: the kernels store the rounded outputs); written into ``out`` when given.
     """
     gate = None if a is None and b is None and A_log is None else (a, b, A_log, dt_bias)
@@ -116,7 +119,8 @@ def gdn_verify(cache, slots, q, k, v, g=None, beta=None, scale=None, use_qk_l2no
                out_dtype=None, a=None, b=None, A_log=None, dt_bias=None, parents=None):
     """Verify T drafts per slot, output-only; nothing is committed until ``cache.accept``.
 
-    q, k [b, T, HK, K]; v [b, T, HV, V]; g, beta (or a, b) [b, T, HV]; A_log, dt_bias [HV].
+    q, k [b, T, HK, K]; v [b, T, HV, V]; g, beta (or a, b) [b, T, HV]; A_log, dt_bias [HV]; any
+    strides, as in decode.
     parents int32/int64 [b, T] for a draft tree (None: a chain), as in ``mamba2_verify``: each
     draft's residual and output are those of its own ancestor chain (Triton: at most 32 drafts).
     Returns o [b, T, HV, V] (``out``, ``out_dtype`` as in decode).

@@ -80,9 +80,9 @@ def _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L: tl.cons
 
 
 @triton.jit
-def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_ptr, kn_ptr, qn_ptr, scores_ptr,
-                       a_ptr, b_ptr, alog_ptr, dtb_ptr, gn_ptr, betan_ptr, due_ptr, parents_ptr, anc_ptr,
-                       gaps_ptr, scale,
+def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, skb, skt, skh, ske, q_ptr, sqb, sqt,
+                       sqh, sqe, kn_ptr, qn_ptr, scores_ptr, a_ptr, sab, sat, sah, b_ptr, sbb, sbt, sbh, alog_ptr,
+                       s_alog, dtb_ptr, s_dtb, gn_ptr, betan_ptr, due_ptr, parents_ptr, anc_ptr, gaps_ptr, scale,
                        SCRATCH, B, HK, HV, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr,
                        DKP: tl.constexpr, RATIO: tl.constexpr, NORM: tl.constexpr, GATE: tl.constexpr, HAS_DTB: tl.constexpr,
                        RP: tl.constexpr, DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, TREE: tl.constexpr,
@@ -96,7 +96,9 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_p
     beta = sigmoid(b) into gn, betan [b, T, HV] fp32 for the other launches. Program (0, 0) also
     lists the slots due to refresh for the solve and refresh launches (``window.list_due``). TREE:
     the batch row's draft tree, ``parents`` [b, T], as ancestor bitmasks into ``anc`` int32 [b, T]
-    for the step launch, and the slot's pending tree into ``cache.draft_gaps`` (``window.ancestor_masks``)."""
+    for the step launch, and the slot's pending tree into ``cache.draft_gaps`` (``window.ancestor_masks``).
+    The caller's k, q, a, b, A_log and dt_bias are read through their strides (s*:
+    ``launch.token_strides``, ``launch.head_stride``)."""
     after_previous_launch(PDL)
     pid_b, khead = tl.program_id(0), tl.program_id(1)
     if (pid_b == 0) & (khead == 0):
@@ -106,14 +108,15 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_p
     vh = khead * RATIO + tl.arange(0, RP)  # the key head's value heads (``mine``: the real ones)
     mine = tl.arange(0, RP) < RATIO
     if GATE:
-        decay_rate = tl.exp(tl.load(alog_ptr + vh, mask=mine, other=0.0).to(tl.float32))
+        decay_rate = tl.exp(tl.load(alog_ptr + vh * s_alog, mask=mine, other=0.0).to(tl.float32))
         for s in tl.static_range(T):
             at = (pid_b * T + s) * HV + vh
-            x = tl.load(a_ptr + at, mask=mine, other=0.0).to(tl.float32)
+            x = tl.load(a_ptr + pid_b * sab + s * sat + vh * sah, mask=mine, other=0.0).to(tl.float32)
             if HAS_DTB:
-                x += tl.load(dtb_ptr + vh, mask=mine, other=0.0).to(tl.float32)
+                x += tl.load(dtb_ptr + vh * s_dtb, mask=mine, other=0.0).to(tl.float32)
             tl.store(gn_ptr + at, -decay_rate * softplus(x), mask=mine)
-            tl.store(betan_ptr + at, tl.sigmoid(tl.load(b_ptr + at, mask=mine, other=0.0).to(tl.float32)), mask=mine)
+            beta = tl.load(b_ptr + pid_b * sbb + s * sbt + vh * sbh, mask=mine, other=0.0).to(tl.float32)
+            tl.store(betan_ptr + at, tl.sigmoid(beta), mask=mine)
     valid, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
     if khead == 0:
         tl.store(cursors_ptr + pid_b, h)
@@ -127,8 +130,8 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, q_p
     keys, queries = (), ()
     for s in tl.static_range(T):
         at = ((pid_b * T + s) * HK + khead) * DK + ck
-        k = tl.load(k_ptr + at, mask=cols, other=0.0).to(tl.float32)
-        q = tl.load(q_ptr + at, mask=cols, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + pid_b * skb + s * skt + khead * skh + ck * ske, mask=cols, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + pid_b * sqb + s * sqt + khead * sqh + ck * sqe, mask=cols, other=0.0).to(tl.float32)
         if NORM:
             k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
             q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
@@ -254,14 +257,15 @@ def _gdn_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
 
 
 @triton.jit
-def _window_loads(bg_ptr, bu_ptr, g_ptr, q_ptr, k_ptr, row, pid_b, head, khead, h, rv, HV, HK, T: tl.constexpr,
+def _window_loads(bg_ptr, bu_ptr, g_ptr, sgb, sgt, sgh, q_ptr, k_ptr, row, pid_b, head, khead, h, rv, HV, HK,
+                  T: tl.constexpr,
                   L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
                   OUTPUT_DOT: tl.constexpr, QP: tl.constexpr):
     """What a step program reads of a window of h committed entries: (log decays g [LP], cached
     residuals U [BV, LP], and with OUTPUT_DOT the step's keys and queries Q [QP, DKP] (zero from
-    column DK on), else 0)."""
+    column DK on), else 0). g [b, T, HV] of strides (sgb, sgt, sgh); q, k the prepared, contiguous ones."""
     j = tl.arange(0, LP)
-    g = window_scalars(bg_ptr, g_ptr, row, pid_b, h, head, HV, T, L, LP)
+    g = window_scalars(bg_ptr, g_ptr, sgb, sgt, sgh, row, pid_b, h, head, HV, T, L, LP)
     U = tl.load(bu_ptr + ((row * L + j[None, :]) * HV + head) * DV + rv[:, None], mask=(j < h)[None, :], other=0.0)
     Q = 0.0
     if OUTPUT_DOT:
@@ -274,12 +278,13 @@ def _window_loads(bg_ptr, bu_ptr, g_ptr, q_ptr, k_ptr, row, pid_b, head, khead, 
 
 
 @triton.jit
-def _token_loads(q_ptr, k_ptr, v_ptr, beta_ptr, scores_ptr, bv_ptr, pid_b, head, khead, rv, HV, HK, T: tl.constexpr,
-                 LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, R_FMT: tl.constexpr,
-                 OUTPUT_DOT: tl.constexpr):
+def _token_loads(q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr, bv_ptr, pid_b, head,
+                 khead, rv, HV, HK, T: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
+                 DKP: tl.constexpr, R_FMT: tl.constexpr, OUTPUT_DOT: tl.constexpr):
     """The new tokens' inputs to a step program, all issued at once: a tuple indexed by s of (v_s
     rounded to the buffer dtype [BV], beta_s, k_j . k_s [LP], k_j . q_s [LP], then k_s and q_s as
-    ``load_query`` gives them, zeros with OUTPUT_DOT)."""
+    ``load_query`` gives them, zeros with OUTPUT_DOT). v [b, T, HV, DV] and beta [b, T, HV] of
+    strides sv*, sb*; q, k the prepared, contiguous ones [b, T, HK, DK]."""
     j = tl.arange(0, LP)
     tokens_in = ()
     for s in tl.static_range(T):
@@ -287,10 +292,11 @@ def _token_loads(q_ptr, k_ptr, v_ptr, beta_ptr, scores_ptr, bv_ptr, pid_b, head,
         base = ((pid_b * HK + khead) * 2 * T + s) * LP
         ka, kb, qa, qb = 0.0, 0.0, 0.0, 0.0
         if not OUTPUT_DOT:
-            ka, kb = load_query(k_ptr + (tok_in * HK + khead) * DK, DK, DKP, R_FMT)
-            qa, qb = load_query(q_ptr + (tok_in * HK + khead) * DK, DK, DKP, R_FMT)
-        tokens_in = tokens_in + ((tl.load(v_ptr + (tok_in * HV + head) * DV + rv).to(bv_ptr.dtype.element_ty),
-                                  tl.load(beta_ptr + tok_in * HV + head), tl.load(scores_ptr + base + T * LP + j),
+            ka, kb = load_query(k_ptr + (tok_in * HK + khead) * DK, 1, DK, DKP, R_FMT)
+            qa, qb = load_query(q_ptr + (tok_in * HK + khead) * DK, 1, DK, DKP, R_FMT)
+        v_s = tl.load(v_ptr + pid_b * svb + s * svt + head * svh + rv * sve).to(bv_ptr.dtype.element_ty)
+        tokens_in = tokens_in + ((v_s, tl.load(beta_ptr + pid_b * sbb + s * sbt + head * sbh),
+                                  tl.load(scores_ptr + base + T * LP + j),
                                   tl.load(scores_ptr + base + j), ka, kb, qa, qb),)
     return tokens_in
 
@@ -301,8 +307,8 @@ def _gdn_step_program(
         slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, decays_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
         bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, bu_ptr,
-        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, scores_ptr, anc_ptr, o_ptr,
-        HV, HK,
+        q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, g_ptr, sgb, sgt, sgh, beta_ptr, sbb, sbt, sbh, scores_ptr, anc_ptr,
+        o_ptr, HV, HK,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr,
         KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
@@ -331,10 +337,10 @@ def _gdn_step_program(
         ra, rb, rsc = 0.0, 0.0, 0.0
     else:
         ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, DKP, R_FMT)
-    g, U, Q = _window_loads(bg_ptr, bu_ptr, g_ptr, q_ptr, k_ptr, row, pid_b, head, khead, h, rv, HV, HK, T, L, LP,
-                            DV, DK, DKP, QLOAD, QP)
-    tokens_in = _token_loads(q_ptr, k_ptr, v_ptr, beta_ptr, scores_ptr, bv_ptr, pid_b, head, khead, rv, HV, HK, T,
-                             LP, DV, DK, DKP, R_FMT, OUTPUT_DOT)
+    g, U, Q = _window_loads(bg_ptr, bu_ptr, g_ptr, sgb, sgt, sgh, q_ptr, k_ptr, row, pid_b, head, khead, h, rv, HV,
+                            HK, T, L, LP, DV, DK, DKP, QLOAD, QP)
+    tokens_in = _token_loads(q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr, bv_ptr,
+                             pid_b, head, khead, rv, HV, HK, T, LP, DV, DK, DKP, R_FMT, OUTPUT_DOT)
     ancestors = ancestor_loads(anc_ptr, pid_b, T, TREE)
     if PIN:
         pin_vector_width(rv_ptr, mat, rv, ck, h < 0, DV, DK, PIN)
@@ -380,8 +386,8 @@ def _gdn_step_kernel(
         slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, decays_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
         bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, bu_ptr,
-        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, scores_ptr, anc_ptr, o_ptr, due_ptr,
-        SCRATCH, HV, HK,
+        q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, g_ptr, sgb, sgt, sgh, beta_ptr, sbb, sbt, sbh, scores_ptr, anc_ptr,
+        o_ptr, due_ptr, SCRATCH, HV, HK,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr,
         KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
@@ -393,7 +399,8 @@ def _gdn_step_kernel(
     the slots due of ranks c, c + n, ... (``window.list_due``, n programs per tile), each refreshed
     (REFRESH) and stepped. TREE: draft s sees the committed entries and its ancestors only (``anc``
     [b, T], the scores launch's bitmasks): its decays are summed along that path and its residual
-    solves against its ancestors' residuals only; else a chain."""
+    solves against its ancestors' residuals only; else a chain. v, g and beta (the caller's, or
+    the scores launch's gates) are read through their strides; q, k are the scores launch's."""
     after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -413,7 +420,8 @@ def _gdn_step_kernel(
             _gdn_step_program(
                 pid_v, head, pid_b, valid, row, h, need, slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
                 decays_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, bu_ptr,
-                q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, scores_ptr, anc_ptr, o_ptr, HV, HK, T, L, LP, DV, DK, DKP, BV, FR,
+                q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, g_ptr, sgb, sgt, sgh, beta_ptr, sbb, sbt, sbh, scores_ptr,
+                anc_ptr, o_ptr, HV, HK, T, L, LP, DV, DK, DKP, BV, FR,
                 KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, OUTPUT_DOT, QP, STREAM, PIN, REFRESH, STAGES, READ_AFTER, TREE)
 
 #: Warps of every solve launch (``_gdn_solve_kernel``): one shape for every preset and batch.
@@ -425,7 +433,8 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
 
     parents int32/int64 [b, T] (a draft tree, T <= 32) or None (a chain).
     q, k [b, T, HK, K] as given to the public call (L2-normalized here when ``normalize``; q
-    times ``scale``); v [b, T, HV, V]; g, beta [b, T, HV]; any float dtypes. Writes the outputs
+    times ``scale``); v [b, T, HV, V]; g, beta [b, T, HV]; any float dtypes, any strides (views of
+    a packed projection are read in place, ``launch.token_strides``). Writes the outputs
     into o [b, T, HV, V] (contiguous, fp32/fp16/bf16; pads zero). The input preparation happens
     inside the first launch. ``gate``: (a, b [b, T, HV], A_log [HV], dt_bias [HV] or None) instead
     of g and beta (both None), the gates computed in the first launch.
@@ -434,16 +443,15 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     HK, K = cache.num_k_heads, cache.head_k_dim
     dev = v.device
     anchor, read, consts = launch.format_args(cache)
+    strides, head_stride = launch.token_strides, launch.head_stride
     if gate is not None:
         a, bg, A_log, dt_bias = gate
-        a, bg, A_log = a.contiguous(), bg.contiguous(), A_log.contiguous()
-        dt_bias = A_log if dt_bias is None else dt_bias.contiguous()
         g = torch.empty(a.shape, dtype=torch.float32, device=dev)
         beta = torch.empty_like(g)
-        gate_args = (a, bg, A_log, dt_bias, g, beta)
-    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
-    if gate is None:
-        gate_args = (g, beta, g, g, g, beta)  # never read (GATE off)
+        gate_args = (a, *strides(a)[:3], bg, *strides(bg)[:3], A_log, head_stride(A_log),
+                     A_log if dt_bias is None else dt_bias, head_stride(dt_bias), g, beta)
+    else:  # never read (GATE off)
+        gate_args = (g, *strides(g)[:3], beta, *strides(beta)[:3], g, 0, g, 0, g, beta)
     shape = launch.step_shape(cache, "gdn", T, b)
     buf = cache.buffer
     LP, DKP = launch.window_pad(cache), launch.column_pad(cache)
@@ -455,8 +463,8 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     cursors = torch.empty(b, dtype=cache.committed.dtype, device=dev)
     due = torch.empty(b + 1, dtype=torch.int32, device=dev)
     anc = cursors if parents is None else torch.empty(b, T, dtype=torch.int32, device=dev)
-    launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], k, q, kn, qn, scores,
-               *gate_args, due, cursors if parents is None else parents.contiguous(), anc, cache.draft_gaps, float(scale),
+    launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], k, *strides(k), q, *strides(q),
+               kn, qn, scores, *gate_args, due, cursors if parents is None else parents.contiguous(), anc, cache.draft_gaps, float(scale),
                cache.scratch_row, b, HK, HV, T=T, L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, NORM=normalize,
                GATE=gate is not None, HAS_DTB=gate is not None and gate[3] is not None,
                RP=triton.next_power_of_2(HV // HK), TREE=parents is not None, MAXD=cache.max_draft,
@@ -474,7 +482,8 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
                           **({"maxnreg": shape.refresh_maxnreg} if shape.refresh_maxnreg else {}))
     step_args = (slots, cursors, cache.tokens, cache.seeds, tinv, decays, *anchor, *read,
                  buf["k"], buf["v"], buf["g"], buf["beta"], buf["u"],
-                 qn, kn, v, g, beta, scores, anc, o, due, cache.scratch_row, HV, HK)
+                 qn, kn, v, *strides(v), g, *strides(g)[:3], beta, *strides(beta)[:3], scores, anc, o, due,
+                 cache.scratch_row, HV, HK)
     step_consts = dict(T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, BV=shape.rows, FR=FR, KC=KC,
                        OUTPUT_DOT=shape.output_dot, QP=max(16, triton.next_power_of_2(2 * T)), STREAM=shape.stream,
                        PIN=shape.pin, STAGES=shape.stages, READ_AFTER=read_after, TREE=parents is not None,

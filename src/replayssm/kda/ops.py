@@ -50,7 +50,9 @@ def kda_decode(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, 
     """One decode token per slot; refreshes the checkpoint when the window is full.
 
     slots int32/int64 [b] (-1 = pad); q, k [b, HK, K]; v [b, HV, V]; g [b, HV, K] (per-channel
-    log decay <= 0); beta [b, HV]. Inputs fp32/fp16/bf16. ``backend`` None, "torch" or "triton".
+    log decay <= 0); beta [b, HV]. Inputs fp32/fp16/bf16, any strides, read in place on both
+    backends (no copy): q, k, v may be views of one packed projection, g and beta of another.
+    ``backend`` None, "torch" or "triton".
     Returns o fp32 [b, HV, V] (zero for pads).
     """
     slots = _check(cache, slots, q, k, v, g, beta, scale, backend, draft=False)
@@ -62,7 +64,8 @@ def kda_decode(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, 
 def kda_verify(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, backend=None, parents=None):
     """Verify T drafts per slot, output-only; nothing is committed until ``cache.accept``.
 
-    q, k [b, T, HK, K]; v [b, T, HV, V]; g [b, T, HV, K]; beta [b, T, HV].
+    q, k [b, T, HK, K]; v [b, T, HV, V]; g [b, T, HV, K]; beta [b, T, HV]; any strides, as in
+    decode.
     parents int32/int64 [b, T] for a draft tree (None: a chain), as in ``gdn_verify``: each
     draft's per-channel decays, residual and output are those of its own ancestor chain.
     PyTorch backend only for now (the Triton backend refuses ``parents``).

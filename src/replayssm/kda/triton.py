@@ -67,12 +67,13 @@ from ..gdn.triton import (
 
 
 @triton.jit
-def _log_decays(bg_ptr, g_ptr, row, pid_b, h, vhead, HV, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
-                DK: tl.constexpr, DKP: tl.constexpr):
+def _log_decays(bg_ptr, g_ptr, sgb, sgt, sgh, sge, row, pid_b, h, vhead, HV, T: tl.constexpr, L: tl.constexpr,
+                LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr):
     """[LP, DKP] fp32 per-channel log decays of value head ``vhead``: committed entries j < h from
     the buffer g [rows, L, HV, K], the T new tokens (h <= j < h + T) from the inputs g
-    [b, T, HV, K], zero elsewhere (T = 0: the committed entries only; channels from DK on)."""
-    return window_rows(bg_ptr, g_ptr, row, pid_b, h, vhead, HV, tl.arange(0, DKP), DK, T, L, LP)
+    [b, T, HV, K] of strides sg*, zero elsewhere (T = 0: the committed entries only; channels from
+    DK on)."""
+    return window_rows(bg_ptr, g_ptr, sgb, sgt, sgh, sge, row, pid_b, h, vhead, HV, tl.arange(0, DKP), DK, T, L, LP)
 
 
 @triton.jit
@@ -95,7 +96,7 @@ def _refresh_scalars(bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr, total_p
     ck = tl.arange(0, DKP)
     cols = within(ck, DK)
     old = j < h
-    G_c = _log_decays(bg_ptr, g_ptr, row, pid_b, h, vhead, HV, 0, L, LP, DK, DKP)
+    G_c = _log_decays(bg_ptr, g_ptr, 0, HV * DK, DK, 1, row, pid_b, h, vhead, HV, 0, L, LP, DK, DKP)  # no new token
     beta_c = tl.load(bbeta_ptr + (row * L + j) * HV + vhead, mask=old, other=0.0)
     # M[j, i] = beta_j sum_c k_ic k_jc e^{g(i, j]_c}: one row j at a time (the decay is inside the
     # sum over channels, so the rows are no Gram matrix times decays); row 0 couples to nothing,
@@ -118,8 +119,8 @@ def _refresh_scalars(bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr, total_p
 
 
 @triton.jit
-def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, k_ptr, q_ptr, g_ptr,
-                       kn_ptr, qn_ptr, kd_ptr, qd_ptr, scores_ptr, due_ptr, scale, SCRATCH, B, HK, HV,
+def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, k_ptr, skb, skt, skh, ske, q_ptr, sqb,
+                       sqt, sqh, sqe, g_ptr, sgb, sgt, sgh, sge, kn_ptr, qn_ptr, kd_ptr, qd_ptr, scores_ptr, due_ptr, scale, SCRATCH, B, HK, HV,
                        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
                        RATIO: tl.constexpr, NORM: tl.constexpr, DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, PDL: tl.constexpr):
     """Once per (batch row, key head): the T new keys and queries prepared in fp32 (L2-normalized
@@ -127,7 +128,8 @@ def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, k_
     [b, T, HK, K]; the batch row's committed count into ``cursors`` [b]; then per value head of
     the key head the decay-weighted scores [b, HV, 2, T, LP] and kd, qd [b, T, HV, K]. Program
     (0, 0) also lists the slots due to refresh for the solve and refresh launches
-    (``window.list_due``)."""
+    (``window.list_due``). The caller's k, q, g are read through their strides (s*,
+    ``launch.token_strides``)."""
     after_previous_launch(PDL)
     pid_b, khead = tl.program_id(0), tl.program_id(1)
     if (pid_b == 0) & (khead == 0):
@@ -136,8 +138,8 @@ def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, k_
     cols = within(ck, DK)
     for s in tl.static_range(T):
         at = ((pid_b * T + s) * HK + khead) * DK + ck
-        k = tl.load(k_ptr + at, mask=cols, other=0.0).to(tl.float32)
-        q = tl.load(q_ptr + at, mask=cols, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + pid_b * skb + s * skt + khead * skh + ck * ske, mask=cols, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + pid_b * sqb + s * sqt + khead * sqh + ck * sqe, mask=cols, other=0.0).to(tl.float32)
         if NORM:
             k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
             q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
@@ -149,10 +151,10 @@ def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, k_
         tl.store(cursors_ptr + pid_b, h)
     j = tl.arange(0, LP)
     h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
-    K = window_rows(bk_ptr, kn_ptr, row, pid_b, h, khead, HK, ck, DK, T, L, LP)
+    K = window_rows(bk_ptr, kn_ptr, T * HK * DK, HK * DK, DK, 1, row, pid_b, h, khead, HK, ck, DK, T, L, LP)
     for vv in tl.range(0, RATIO):
         vhead = khead * RATIO + vv
-        G = _log_decays(bg_ptr, g_ptr, row, pid_b, h, vhead, HV, T, L, LP, DK, DKP)
+        G = _log_decays(bg_ptr, g_ptr, sgb, sgt, sgh, sge, row, pid_b, h, vhead, HV, T, L, LP, DK, DKP)
         for s in tl.static_range(T):
             t = h + s
             tok = pid_b * T + s
@@ -266,7 +268,7 @@ def _kda_step_kernel(
         slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
         bv_ptr, bbeta_ptr, bu_ptr,
-        qd_ptr, kd_ptr, v_ptr, beta_ptr, scores_ptr, o_ptr,
+        qd_ptr, kd_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr, o_ptr,
         SCRATCH, HV,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr,
@@ -305,8 +307,8 @@ def _kda_step_kernel(
         at = ((pid_b * T + r % T) * HV + head) * DK + ck[None, :]
         m = (r < 2 * T) & within(ck, DK)[None, :]
         Q = tl.where(r < T, tl.load(kd_ptr + at, mask=m, other=0.0), tl.load(qd_ptr + at, mask=m, other=0.0))
-    tokens_in = _token_loads(qd_ptr, kd_ptr, v_ptr, beta_ptr, scores_ptr, bv_ptr, pid_b, head, head, rv, HV, HV, T,
-                             LP, DV, DK, DKP, R_FMT, OUTPUT_DOT)
+    tokens_in = _token_loads(qd_ptr, kd_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr, bv_ptr,
+                             pid_b, head, head, rv, HV, HV, T, LP, DV, DK, DKP, R_FMT, OUTPUT_DOT)
     if PIN:
         pin_vector_width(rv_ptr, mat, rv, ck, h < 0, DV, DK, PIN)
     if OUTPUT_DOT:  # every S_read kd_s and S_read qd_s of the step in one product
@@ -344,14 +346,15 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
 
     q, k [b, T, HK, K] as given to the public call (L2-normalized here when ``normalize``; q
     times ``scale``); v [b, T, HV, V]; g [b, T, HV, K] (per-channel log decay); beta [b, T, HV];
-    any float dtypes. Writes the outputs into o [b, T, HV, V] (contiguous fp32; pads zero) and
-    returns it. The input preparation happens inside the first launch.
+    any float dtypes, any strides (views of a packed projection are read in place,
+    ``launch.token_strides``). Writes the outputs into o [b, T, HV, V] (contiguous fp32; pads zero)
+    and returns it. The input preparation happens inside the first launch.
     """
     b, T, HV, V = v.shape
     HK, K = cache.num_k_heads, cache.head_k_dim
     dev = v.device
     anchor, read, consts = launch.format_args(cache)
-    q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
+    strides = launch.token_strides
     shape = launch.step_shape(cache, "kda", T, b)
     buf = cache.buffer
     LP, DKP = launch.window_pad(cache), launch.column_pad(cache)
@@ -368,7 +371,8 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     cursors = torch.empty(b, dtype=cache.committed.dtype, device=dev)
     refresh = (tinv, rk, fk, total)
     due = torch.empty(b + 1, dtype=torch.int32, device=dev)
-    launch.run(_kda_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], buf["g"], k, q, g, kn, qn, kd,
+    launch.run(_kda_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], buf["g"], k, *strides(k), q,
+               *strides(q), g, *strides(g), kn, qn, kd,
                qd, scores, due, float(scale), cache.scratch_row, b, HK, HV, T=T, L=cache.window, LP=LP, DK=K, DKP=DKP,
                RATIO=HV // HK, NORM=normalize, **launch.due_scan(b, True))
     n, rounds = launch.refresh_grid(b, T, cache.window)
@@ -387,7 +391,8 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     launch.run(
         _kda_step_kernel, (V // shape.rows, HV, b),
         slots, cursors, cache.tokens, cache.seeds, *refresh, *anchor, *read,
-        buf["v"], buf["beta"], buf["u"], qd, kd, v, beta, scores, o, cache.scratch_row, HV,
+        buf["v"], buf["beta"], buf["u"], qd, kd, v, *strides(v), beta, *strides(beta)[:3], scores, o, cache.scratch_row,
+        HV,
         T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, BV=shape.rows, FR=FR, KC=KC, OUTPUT_DOT=shape.output_dot,
         QP=max(16, triton.next_power_of_2(2 * T)), STREAM=shape.stream, PIN=shape.pin, REFRESH=not shape.split,
         STAGES=shape.stages, READ_AFTER=read_after, num_warps=shape.warps, **extra, **consts)

@@ -3,8 +3,10 @@
 public call -> argument checks -> input preparation (bias, softplus, log decay) -> backend.
 
 Both calls are inference: they run under ``torch.no_grad()``, so inputs that require grad never
-make the cache storage part of an autograd graph. Slot ids (int32 or int64, any strides) and the
-per-head constants reach the backends as contiguous tensors; an empty batch launches nothing.
+make the cache storage part of an autograd graph. Slot ids (int32 or int64, any strides) reach the
+backends as a contiguous int64 tensor; every other input as the caller's tensor or a view of it (the
+Triton kernels read any strides, so views of packed projections are never copied); an empty batch
+launches nothing.
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from . import replay
 
 
 def _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft: bool):
-    """Validate every argument; returns (slots as contiguous int64, T)."""
+    """Validate every argument; returns (slots as contiguous int64, T, dt, A, D, dt_bias), the last
+    four as per-head views ([*lead, H] and [H]: head-dim-expanded inputs reduced, ``checks.per_head``)."""
     slots = checks.slot_ids(cache, slots)
     b = slots.shape[0]
     H, P, N, G = cache.nheads, cache.headdim, cache.dstate, cache.ngroups
@@ -28,16 +31,16 @@ def _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft: bool):
     lead = (b, T) if draft else (b,)
     dev = cache.device
     checks.check_tensor("x", x, (*lead, H, P), dev)
-    checks.check_tensor("dt", dt, (*lead, H), dev)
-    checks.check_tensor("A", A, (H,), dev)
+    dt = checks.per_head("dt", dt, (*lead, H), (P,), dev)
+    A = checks.per_head("A", A, (H,), (P, N), dev)
     checks.check_tensor("B", B, (*lead, G, N), dev)
     checks.check_tensor("C", C, (*lead, G, N), dev)
-    checks.check_tensor("D", D, (H,), dev, optional=True)
+    D = checks.per_head("D", D, (H,), (P,), dev, optional=True)
     checks.check_tensor("z", z, (*lead, H, P), dev, optional=True)
-    checks.check_tensor("dt_bias", dt_bias, (H,), dev, optional=True)
+    dt_bias = checks.per_head("dt_bias", dt_bias, (H,), (P,), dev, optional=True)
     checks.check_finite_nonpositive("A", A, cache)
     checks.check_no_pending(cache, slots)
-    return slots, T
+    return slots, T, dt, A, D, dt_bias
 
 
 def _step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, commit, backend, out, out_dtype,
@@ -47,9 +50,7 @@ def _step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, commit, back
     kind = pick_backend(cache, backend)
     if slots.shape[0] == 0:  # nothing to compute or store; the kernels' grids would be empty
         return torch.zeros(x.shape, dtype=out_dtype, device=x.device) if out is None else out
-    if kind == "triton":  # prepares dt and the log decay inside its kernels
-        # the kernels index the per-head constants densely: a strided or expanded view is copied
-        A, D, dt_bias = (None if t is None else t.contiguous() for t in (A, D, dt_bias))
+    if kind == "triton":  # prepares dt and the log decay inside its kernels, reading every input in place
         from . import triton as kernels
         y = out if out is not None and out.is_contiguous() else torch.empty(x.shape, dtype=out_dtype, device=x.device)
         kernels.step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, commit, y, parents)
@@ -73,10 +74,14 @@ def mamba2_decode(cache, slots, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt
     """One decode token per slot; refreshes the checkpoint when the window is full.
 
     slots int32/int64 [b] (-1 = pad); x [b, H, P]; dt [b, H]; A [H]; B, C [b, G, N]; D [H]; z [b, H, P];
-    dt_bias [H]. Inputs fp32/fp16/bf16. Returns y [b, H, P] (zero for pads), fp32 unless ``out_dtype``
-    (fp16/bf16: the kernels store the rounded outputs, half the bytes); written into ``out`` when given.
+    dt_bias [H]. Inputs fp32/fp16/bf16, any strides, read in place on both backends (no copy): x, B,
+    C may be views of one packed xBC tensor, z and dt of one in_proj output. As mamba_ssm's
+    ``selective_state_update`` takes them, dt may also be [b, H, P], A [H, P, N], D and dt_bias
+    [H, P], expanded with stride 0 over the head's dims (ValueError otherwise: one decay per head).
+    Returns y [b, H, P] (zero for pads), fp32 unless ``out_dtype`` (fp16/bf16: the kernels store the
+    rounded outputs, half the bytes); written into ``out`` when given.
     """
-    slots, _ = _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft=False)
+    slots, _, dt, A, D, dt_bias = _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft=False)
     dtype = checks.output_spec(out, out_dtype, tuple(x.shape), cache.device)
     u = lambda t: None if t is None else t.unsqueeze(1)  # noqa: E731
     y = _step(cache, slots, u(x), u(dt), A, u(B), u(C), D, u(z), dt_bias, dt_softplus, True, backend, u(out), dtype)
@@ -89,14 +94,15 @@ def mamba2_verify(cache, slots, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt
     """Verify T drafts per slot, output-only: draft s sees the checkpoint, the committed history
     and drafts 1..s. Nothing is committed: call ``cache.accept(slots, num_accepted)`` next.
 
-    x [b, T, H, P]; dt [b, T, H]; B, C [b, T, G, N]; z [b, T, H, P]; others as in decode.
+    x [b, T, H, P]; dt [b, T, H] (or [b, T, H, P] expanded with stride 0); B, C [b, T, G, N]; z
+    [b, T, H, P]; others as in decode (layouts too: any strides, read in place).
     parents int32/int64 [b, T] for a draft tree (None: a chain): parents[i, s] in [-1, s) is the
     draft that draft s follows (-1: the last committed token); draft s then sees the committed
     history and its ancestors only. Accept a root path with ``cache.accept(slots, n, path)``.
     The Triton backend takes trees of at most 32 drafts.
     Returns y [b, T, H, P] (``out``, ``out_dtype`` as in decode).
     """
-    slots, T = _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft=True)
+    slots, T, dt, A, D, dt_bias = _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft=True)
     dtype = checks.output_spec(out, out_dtype, tuple(x.shape), cache.device)
     parents = checks.draft_parents(cache, slots, parents, T, pick_backend(cache, backend))
     return _step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, False, backend, out, dtype,

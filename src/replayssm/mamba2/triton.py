@@ -37,8 +37,9 @@ from .._triton.formats import (load_query, load_read, load_tile, matvec, pin_vec
 
 
 @triton.jit
-def _mamba2_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bB_ptr, bdt_ptr, bla_ptr, B_ptr, C_ptr,
-                          scores_ptr, fold_w_ptr, fold_decay_ptr, dt_ptr, bias_ptr, A_ptr, dtn_ptr, la_ptr, due_ptr,
+def _mamba2_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bB_ptr, bdt_ptr, bla_ptr, B_ptr, sBb, sBt, sBh, sBe,
+                          C_ptr, sCb, sCt, sCh, sCe, scores_ptr, fold_w_ptr, fold_decay_ptr, dt_ptr, sdb, sdt, sdh,
+                          bias_ptr, s_bias, A_ptr, s_A, dtn_ptr, la_ptr, due_ptr,
                           parents_ptr, anc_ptr, gaps_ptr, SCRATCH, B, H, G, T: tl.constexpr, L: tl.constexpr,
                           LP: tl.constexpr,
                           DK: tl.constexpr, DKP: tl.constexpr, HG: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -53,7 +54,8 @@ def _mamba2_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bB_ptr, bdt_ptr
     DUE_CH > 0: program (0, 0) also lists the slots due for a refresh launch of its own
     (``window.list_due``). TREE: the batch row's draft tree, ``parents`` [b, T], as ancestor
     bitmasks into ``anc`` int32 [b, T] for the step launch, and the slot's pending tree into
-    ``cache.draft_gaps`` (``window.ancestor_masks``)."""
+    ``cache.draft_gaps`` (``window.ancestor_masks``). The caller's B, C, dt, dt_bias and A are read
+    through their strides (s*: ``launch.token_strides``, ``launch.head_stride``)."""
     after_previous_launch(PDL)
     pid_b, group = tl.program_id(0), tl.program_id(1)
     if DUE_CH > 0:
@@ -61,12 +63,12 @@ def _mamba2_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bB_ptr, bdt_ptr
             list_due(slots_ptr, committed_ptr, due_ptr, B, T, L, DUE_CH, DUE_PASSES)
     heads = group * (H // G) + tl.arange(0, HG)
     mine = tl.arange(0, HG) < H // G
-    A = tl.load(A_ptr + heads, mask=mine, other=0.0).to(tl.float32)
+    A = tl.load(A_ptr + heads * s_A, mask=mine, other=0.0).to(tl.float32)
     for s in tl.static_range(T):
         at = (pid_b * T + s) * H + heads
-        d = tl.load(dt_ptr + at, mask=mine, other=0.0).to(tl.float32)
+        d = tl.load(dt_ptr + pid_b * sdb + s * sdt + heads * sdh, mask=mine, other=0.0).to(tl.float32)
         if HAS_BIAS:
-            d += tl.load(bias_ptr + heads, mask=mine, other=0.0).to(tl.float32)
+            d += tl.load(bias_ptr + heads * s_bias, mask=mine, other=0.0).to(tl.float32)
         if SOFTPLUS:
             d = softplus(d)
         tl.store(dtn_ptr + at, d, mask=mine)
@@ -88,9 +90,10 @@ def _mamba2_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bB_ptr, bdt_ptr
         tl.store(fold_decay_ptr + pid_b * H + heads, tl.exp(tl.sum(la_c, 1)), mask=mine)
     h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
     ck = tl.arange(0, DKP)  # columns from DK on are zero
-    K = window_rows(bB_ptr, B_ptr, row, pid_b, h, group, G, ck, DK, T, L, LP)
+    K = window_rows(bB_ptr, B_ptr, sBb, sBt, sBh, sBe, row, pid_b, h, group, G, ck, DK, T, L, LP)
     for s in tl.static_range(T):
-        q = tl.load(C_ptr + ((pid_b * T + s) * G + group) * DK + ck, mask=within(ck, DK), other=0.0).to(tl.float32)
+        q = tl.load(C_ptr + pid_b * sCb + s * sCt + group * sCh + ck * sCe, mask=within(ck, DK),
+                    other=0.0).to(tl.float32)
         tl.store(scores_ptr + ((pid_b * G + group) * T + s) * LP + j, tl.sum(K * q[None, :], 1))
 
 
@@ -154,23 +157,23 @@ def _mamba2_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w
 
 
 @triton.jit
-def _token_loads(x_ptr, C_ptr, D_ptr, z_ptr, scores_ptr, pid_b, head, group, rv, H, G, T: tl.constexpr,
-                 LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, R_FMT: tl.constexpr,
-                 HAS_D: tl.constexpr, HAS_Z: tl.constexpr):
+def _token_loads(x_ptr, sxb, sxt, sxh, sxe, C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD, z_ptr, szb, szt, szh, sze,
+                 scores_ptr, pid_b, head, group, rv, H, G, T: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr,
+                 DK: tl.constexpr, DKP: tl.constexpr, R_FMT: tl.constexpr, HAS_D: tl.constexpr,
+                 HAS_Z: tl.constexpr):
     """The new tokens' inputs to a step program, all issued at once: a tuple indexed by s of
     (B_j . C_s [LP], C_s as ``load_query`` gives it, D, x_s [BV], z_s [BV]; D, x_s and z_s zero
-    where not used)."""
+    where not used). x, C, D, z are the caller's, read through their strides."""
     tokens_in = ()
     for s in tl.static_range(T):
-        q_tok = pid_b * T + s
-        qa, qb = load_query(C_ptr + (q_tok * G + group) * DK, DK, DKP, R_FMT)
+        qa, qb = load_query(C_ptr + pid_b * sCb + s * sCt + group * sCh, sCe, DK, DKP, R_FMT)
         D, xq, zq = 0.0, 0.0, 0.0
         if HAS_D:
-            D = tl.load(D_ptr + head).to(tl.float32)
+            D = tl.load(D_ptr + head * sD).to(tl.float32)
         if HAS_D or HAS_Z:
-            xq = tl.load(x_ptr + (q_tok * H + head) * DV + rv).to(tl.float32)
+            xq = tl.load(x_ptr + pid_b * sxb + s * sxt + head * sxh + rv * sxe).to(tl.float32)
         if HAS_Z:
-            zq = tl.load(z_ptr + (q_tok * H + head) * DV + rv).to(tl.float32)
+            zq = tl.load(z_ptr + pid_b * szb + s * szt + head * szh + rv * sze).to(tl.float32)
         tokens_in = tokens_in + ((tl.load(scores_ptr + ((pid_b * G + group) * T + s) * LP + tl.arange(0, LP)),
                                   qa, qb, D, xq, zq),)
     return tokens_in
@@ -181,7 +184,8 @@ def _mamba2_step_kernel(
         slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_ptr, fold_decay_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
         bx_ptr, bdt_ptr, bla_ptr, bB_ptr,
-        x_ptr, dt_ptr, la_ptr, C_ptr, D_ptr, z_ptr, scores_ptr, anc_ptr, y_ptr,
+        x_ptr, sxb, sxt, sxh, sxe, dt_ptr, la_ptr, C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD,
+        z_ptr, szb, szt, szh, sze, scores_ptr, anc_ptr, y_ptr,
         SCRATCH, H, G,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr,
@@ -189,7 +193,8 @@ def _mamba2_step_kernel(
         SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, PIN: tl.constexpr, REFRESH: tl.constexpr,
         STAGES: tl.constexpr, READ_AFTER: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr):
     """TREE: draft s sees the committed entries and its ancestors only (``anc`` [b, T], the
-    scores launch's bitmasks), its decays summed along that path; else a chain."""
+    scores launch's bitmasks), its decays summed along that path; else a chain. The caller's x, C,
+    D, z are read through their strides; dt and la are the scores launch's, contiguous."""
     after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -212,11 +217,11 @@ def _mamba2_step_kernel(
     # the read copy in its own layout (the anchor itself when shared), then everything else a
     # program reads, all issued before any arithmetic so that it waits on memory once
     ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, DKP, R_FMT)
-    la = window_scalars(bla_ptr, la_ptr, row, pid_b, h, head, H, T, L, LP)
-    dt = window_scalars(bdt_ptr, dt_ptr, row, pid_b, h, head, H, T, L, LP)
-    X = window_rows(bx_ptr, x_ptr, row, pid_b, h, head, H, rv, DV, T, L, LP)
-    tokens_in = _token_loads(x_ptr, C_ptr, D_ptr, z_ptr, scores_ptr, pid_b, head, group, rv, H, G, T, LP, DV, DK,
-                             DKP, R_FMT, HAS_D, HAS_Z)
+    la = window_scalars(bla_ptr, la_ptr, T * H, H, 1, row, pid_b, h, head, H, T, L, LP)
+    dt = window_scalars(bdt_ptr, dt_ptr, T * H, H, 1, row, pid_b, h, head, H, T, L, LP)
+    X = window_rows(bx_ptr, x_ptr, sxb, sxt, sxh, sxe, row, pid_b, h, head, H, rv, DV, T, L, LP)
+    tokens_in = _token_loads(x_ptr, sxb, sxt, sxh, sxe, C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD, z_ptr, szb, szt, szh,
+                             sze, scores_ptr, pid_b, head, group, rv, H, G, T, LP, DV, DK, DKP, R_FMT, HAS_D, HAS_Z)
     ancestors = ancestor_loads(anc_ptr, pid_b, T, TREE)
     if PIN:
         pin_vector_width(rv_ptr, mat, rv, ck, h < 0, DV, DK, PIN)
@@ -243,18 +248,17 @@ def _mamba2_step_kernel(
 def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit: bool, y, parents=None):
     """One Mamba-2 decode (T = 1) or verify step on the Triton backend.
 
-    parents int32/int64 [b, T] (a draft tree, T <= 32) or None (a chain); x [b, T, H, P]; dt [b, T, H] raw (dt_bias [H] added and softplus applied here when given);
-    A [H]; B, C [b, T, G, N]; D [H]; z [b, T, H, P]; any float dtypes. Writes the outputs into y
-    [b, T, H, P] (contiguous, fp32/fp16/bf16; pads zero). The input preparation happens inside the
-    first launch.
+    parents int32/int64 [b, T] (a draft tree, T <= 32) or None (a chain); x [b, T, H, P]; dt [b, T, H]
+    raw (dt_bias [H] added and softplus applied here when given); A [H]; B, C [b, T, G, N]; D [H];
+    z [b, T, H, P]; any float dtypes, any strides (views of packed tensors are read in place,
+    ``launch.token_strides``). Writes the outputs into y [b, T, H, P] (contiguous, fp32/fp16/bf16;
+    pads zero). The input preparation happens inside the first launch.
     """
     b, T, H, P = x.shape
     G, N = cache.ngroups, cache.dstate
     dev = x.device
     anchor, read, consts = launch.format_args(cache)
-    x, dt, A, B, C = (t.contiguous() for t in (x, dt, A, B, C))
-    z = None if z is None else z.contiguous()
-    D = None if D is None else D.contiguous()
+    strides = launch.token_strides
     shape = launch.step_shape(cache, "mamba2", T, b)
     buf = cache.buffer
     LP, DKP = launch.window_pad(cache), launch.column_pad(cache)
@@ -268,7 +272,8 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     anc = cursors if parents is None else torch.empty(b, T, dtype=torch.int32, device=dev)
     tree = dict(parents=cursors if parents is None else parents.contiguous(), anc=anc, TREE=parents is not None)
     launch.run(_mamba2_scores_kernel, (b, G), slots, cache.committed, cursors, buf["B"], buf["dt"], buf["log_alpha"],
-               B, C, scores, fold_w, fold_decay, dt_in, dt_in if dt_bias is None else dt_bias.contiguous(), A, dt,
+               B, *strides(B), C, *strides(C), scores, fold_w, fold_decay, dt_in, *strides(dt_in)[:3],
+               A if dt_bias is None else dt_bias, launch.head_stride(dt_bias), A, launch.head_stride(A), dt,
                log_alpha, due, tree["parents"], anc, cache.draft_gaps, cache.scratch_row, b, H, G, T=T, L=cache.window, LP=LP, DK=N, DKP=DKP,
                HG=triton.next_power_of_2(H // G), HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
                TREE=tree["TREE"], MAXD=cache.max_draft, **launch.due_scan(b, shape.split))
@@ -284,7 +289,8 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
         _mamba2_step_kernel, (P // shape.rows, H, b),
         slots, cursors, cache.tokens, cache.seeds, fold_w, fold_decay, *anchor, *read,
         buf["x"], buf["dt"], buf["log_alpha"], buf["B"],
-        x, dt, log_alpha, C, x if D is None else D, x if z is None else z, scores, anc, y,
+        x, *strides(x), dt, log_alpha, C, *strides(C), x if D is None else D, launch.head_stride(D),
+        x if z is None else z, *strides(x if z is None else z), scores, anc, y,
         cache.scratch_row, H, G,
         T=T, L=cache.window, LP=LP, DV=P, DK=N, DKP=DKP, BV=shape.rows, FR=FR, KC=KC, HAS_D=D is not None,
         HAS_Z=z is not None, PIN=shape.pin, REFRESH=not shape.split, STAGES=shape.stages, READ_AFTER=read_after,
