@@ -19,11 +19,12 @@ from helpers import S32_TOL  # noqa: E402
 from test_triton_backend import GEOMETRY  # noqa: E402
 from test_trees import TreeDriver, mixed_rounds, random_parents, root_path, verify  # noqa: E402
 
-ARCHS = ["mamba2", "gdn"]
+ARCHS = ["mamba2", "gdn", "kda"]
+TREE_GEOMETRY = dict(GEOMETRY, kda=GEOMETRY["gdn"])
 
 
 def driver(arch, **kw):
-    return TreeDriver(arch, backend="triton", geometry=GEOMETRY[arch], **kw)
+    return TreeDriver(arch, backend="triton", geometry=TREE_GEOMETRY[arch], **kw)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -42,7 +43,7 @@ def test_triton_every_tree_path_matches_the_recurrence(arch):
 def test_triton_full_depth_of_deep_trees(arch):
     """Whole root paths of trees as deep as max_draft accepted, a refresh in between."""
     d = driver(arch, window=10, max_draft=5, seed=3)
-    for _ in range(3):
+    for _ in range(4):
         d.round([0, 1, 2, 3], 5, ["tree", "chain", "tree", "flat"], depth=5)
     assert sum(d.refreshes.values()) >= 1 and any(n == k >= 3 for n, k in d.depths)
     assert d.max_err <= S32_TOL, d.max_err
@@ -91,7 +92,7 @@ def test_triton_accept_moves_entries_like_torch_accept():
     from replayssm._triton import launch
 
     for arch in ARCHS:
-        base = helpers.make_layer(arch, 0, **GEOMETRY[arch])
+        base = helpers.make_layer(arch, 0, **TREE_GEOMETRY[arch])
         caches = [base.cache(9, window=12, max_draft=5) for _ in range(2)]
         slots = torch.tensor([3, -1, 0, 7, 8, 5, -1, 1, 2])
         for c in caches:
@@ -125,12 +126,22 @@ def chain_masks(parents_ptr, anc_ptr, gaps_ptr, pid_b, valid, row, T: tl.constex
         tl.store(gaps_ptr + row * MAXD + s, s - 1 - p, mask=valid)
 
 
+@triton.jit
+def chain_bits(parents_ptr, pid_b, valid, T: tl.constexpr):
+    """``window.ancestor_bits`` with every earlier draft an ancestor (bits 0..s): siblings too."""
+    return (tl.full((32,), 2, tl.int32) << tl.arange(0, 32)) - 1
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_kernel_mask_that_lets_siblings_see_each_other_is_detected(arch, monkeypatch):
     """Ancestor masks of the draft order (every earlier draft, siblings included) in place of the
-    tree's: the outputs of a flat tree's drafts after the first are wrong."""
+    tree's: the outputs of a flat tree's drafts after the first are wrong. (KDA's scores launch,
+    where all of its tree is applied, takes the masks in registers: ``ancestor_bits``.)"""
     kernels = importlib.import_module(f"replayssm.{arch}.triton")
-    monkeypatch.setattr(kernels, "ancestor_masks", chain_masks)
+    if arch == "kda":
+        monkeypatch.setattr(kernels, "ancestor_bits", chain_bits)
+    else:
+        monkeypatch.setattr(kernels, "ancestor_masks", chain_masks)
     d = driver(arch, window=16)
     d.round([0, 1, 2, 3], 4, ["flat"] * 4, depth=0)
     assert d.max_err > 100 * S32_TOL

@@ -108,22 +108,38 @@ def window_scalars(buf_ptr, in_ptr, sb, st, sh, row, pid_b, h, head, NH, T: tl.c
 
 
 @triton.jit
-def ancestor_masks(parents_ptr, anc_ptr, gaps_ptr, pid_b, valid, row, T: tl.constexpr, MAXD: tl.constexpr):
-    """Store the draft tree of batch row ``pid_b`` as bitmasks: anc[pid_b, s] (int32 [b, T]) has
-    bit n set when draft n is draft s or one of its ancestors (T <= 32); and for a real slot its
-    pending tree as ``cache.draft_gaps`` (int32 [rows, MAXD]: s - 1 - parent) against which accept
-    checks a path. parents [b, T] int32 or int64, -1 the last committed token; values outside
-    [-1, s) (unchecked inputs) are clamped into it and a pad row is a chain, so no mask ever names
-    a later draft."""
+def _draft_parent(parents_ptr, pid_b, valid, s: tl.constexpr, T: tl.constexpr):
+    """The parent of draft s of batch row ``pid_b`` (-1: the last committed token), clamped into
+    [-1, s) (unchecked inputs); s - 1 (a chain) for a pad row."""
+    p = tl.load(parents_ptr + pid_b * T + s).to(tl.int32)
+    return tl.where(valid, tl.minimum(tl.maximum(p, -1), s - 1), s - 1)
+
+
+@triton.jit
+def ancestor_bits(parents_ptr, pid_b, valid, T: tl.constexpr):
+    """[32] int32: entry s has bit n set when draft n is draft s or one of its ancestors (T <= 32),
+    from ``parents`` [b, T] (``_draft_parent``); in registers, for a launch whose programs each need
+    the whole tree."""
     n = tl.arange(0, 32)  # a bit per draft
     anc = tl.zeros((32,), tl.int32)
     for s in tl.static_range(T):
-        p = tl.load(parents_ptr + pid_b * T + s).to(tl.int32)
-        p = tl.where(valid, tl.minimum(tl.maximum(p, -1), s - 1), s - 1)
+        p = _draft_parent(parents_ptr, pid_b, valid, s, T)
         above = tl.sum(tl.where(n == p, anc, 0), 0)  # 0 for a child of the last committed token
         anc = tl.where(n == s, above | (tl.full((), 1, tl.int32) << s), anc)
-        tl.store(gaps_ptr + row * MAXD + s, s - 1 - p, mask=valid)
-    tl.store(anc_ptr + pid_b * T + n, anc, mask=n < T)
+    return anc
+
+
+@triton.jit
+def ancestor_masks(parents_ptr, anc_ptr, gaps_ptr, pid_b, valid, row, T: tl.constexpr, MAXD: tl.constexpr):
+    """Store the draft tree of batch row ``pid_b`` as bitmasks: anc[pid_b, s] (int32 [b, T]) =
+    ``ancestor_bits``; and for a real slot its pending tree as ``cache.draft_gaps`` (int32
+    [rows, MAXD]: s - 1 - parent) against which accept checks a path. parents [b, T] int32 or
+    int64, -1 the last committed token; values outside [-1, s) (unchecked inputs) are clamped into
+    it and a pad row is a chain, so no mask ever names a later draft."""
+    n = tl.arange(0, 32)
+    for s in tl.static_range(T):
+        tl.store(gaps_ptr + row * MAXD + s, s - 1 - _draft_parent(parents_ptr, pid_b, valid, s, T), mask=valid)
+    tl.store(anc_ptr + pid_b * T + n, ancestor_bits(parents_ptr, pid_b, valid, T), mask=n < T)
 
 
 @triton.jit
@@ -137,6 +153,14 @@ def ancestor_loads(anc_ptr, pid_b, T: tl.constexpr, TREE: tl.constexpr):
             anc = tl.load(anc_ptr + pid_b * T + s)
         out = out + (anc,)
     return out
+
+
+@triton.jit
+def draft_bits(anc, s: tl.constexpr, TREE: tl.constexpr):
+    """Draft s's mask out of ``ancestor_bits``' vector (0, never read, for a chain)."""
+    if TREE:
+        return tl.sum(tl.where(tl.arange(0, 32) == s, anc, 0), 0)
+    return 0
 
 
 @triton.jit

@@ -27,7 +27,7 @@ def _check(cache, slots, q, k, v, g, beta, scale, backend, draft: bool):
 
 
 def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend, parents=None):
-    """o fp32 [b, T, HV, V]. ``parents`` int64 [b, T] (validated, PyTorch backend only) for a tree
+    """o fp32 [b, T, HV, V]. ``parents`` [b, T] (validated by ``checks.draft_parents``) for a tree
     verify."""
     if scale is None:
         scale = cache.head_k_dim ** -0.5
@@ -37,7 +37,7 @@ def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend,
     if kind == "triton":  # prepares q, k inside its kernels
         from . import triton as kernels
         o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        return kernels.step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, o)
+        return kernels.step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, o, parents)
     q, k = (l2norm(q), l2norm(k)) if use_qk_l2norm else (q.float(), k.float())
     q = q * scale
     entries = {"k": k, "v": v, "g": g.float(), "beta": beta.float()}
@@ -67,11 +67,10 @@ def kda_verify(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, 
     q, k [b, T, HK, K]; v [b, T, HV, V]; g [b, T, HV, K]; beta [b, T, HV]; any strides, as in
     decode.
     parents int32/int64 [b, T] for a draft tree (None: a chain), as in ``gdn_verify``: each
-    draft's per-channel decays, residual and output are those of its own ancestor chain.
-    PyTorch backend only for now (the Triton backend refuses ``parents``).
+    draft's per-channel decays, residual and output are those of its own ancestor chain (both
+    backends; Triton: at most 32 drafts).
     Returns o fp32 [b, T, HV, V].
     """
     slots = _check(cache, slots, q, k, v, g, beta, scale, backend, draft=True)
-    parents = checks.draft_parents(cache, slots, parents, q.shape[1], pick_backend(cache, backend),
-                                   triton_trees=False)
+    parents = checks.draft_parents(cache, slots, parents, q.shape[1], pick_backend(cache, backend))
     return _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, False, backend, parents)

@@ -59,7 +59,8 @@ from .._triton.formats import (
 )
 from .._triton.launch import after_previous_launch
 from .._triton.solve import unit_lower_inverse
-from .._triton.window import due_slot, list_due, slot_cursor, slot_row, step_cursor, window_keys, window_rows
+from .._triton.window import (ancestor_bits, ancestor_masks, draft_bits, draft_view, due_slot, list_due, slot_cursor,
+                              slot_row, step_cursor, window_keys, window_rows)
 from ..gdn.triton import (
     SOLVE_WARPS,
     _token_loads,  # the new tokens' inputs, laid out per value head as GDN's per key head
@@ -77,11 +78,13 @@ def _log_decays(bg_ptr, g_ptr, sgb, sgt, sgh, sge, row, pid_b, h, vhead, HV, T: 
 
 
 @triton.jit
-def _segments_to(G, t):
-    """[LP, DK] sums of G [LP, DK] over j < m <= t for every entry j and channel: the log decay
-    from entry j to position t, each segment summed directly (0/1 weights, IEEE fp32)."""
+def _segments_along(G, seen):
+    """[LP, DK] sums of G [LP, DK] over the entries m > j that ``seen`` [LP] holds, for every entry
+    j and channel: the log decay from entry j to a position along its path (seen = m <= t for a
+    chain, a draft's ancestors and itself for a tree, ``window.draft_view``), each segment summed
+    directly (0/1 weights, IEEE fp32)."""
     j = tl.arange(0, G.shape[0])
-    inside = tl.where((j[:, None] < j[None, :]) & (j[None, :] <= t), 1.0, 0.0)
+    inside = tl.where((j[:, None] < j[None, :]) & seen[None, :], 1.0, 0.0)
     return tl.dot(inside, G, input_precision="ieee")
 
 
@@ -104,12 +107,12 @@ def _refresh_scalars(bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr, total_p
     M = tl.zeros((LP, LP), dtype=tl.float32)
     for jj in tl.range(1, LP):
         before = (j < jj)[:, None]
-        E = tl.where(before, tl.exp(tl.where(before, _segments_to(G_c, jj), float("-inf"))), 0.0)
+        E = tl.where(before, tl.exp(tl.where(before, _segments_along(G_c, j <= jj), float("-inf"))), 0.0)
         k_j = tl.sum(tl.where((j == jj)[:, None], K_c, 0.0), 0)
         M = tl.where(j[:, None] == jj, tl.sum(K_c * E * k_j[None, :], 1)[None, :], M)
     X = unit_lower_inverse(beta_c[:, None] * M, SQUARINGS)
     through = tl.dot(tl.where(j[None, :] <= j[:, None], 1.0, 0.0), G_c, input_precision="ieee")  # [j, c]: G_j
-    after = _segments_to(G_c, h - 1)  # [j, c]: g(j, h)
+    after = _segments_along(G_c, j < h)  # [j, c]: g(j, h)
     base = (pid_b * HV + vhead) * LP
     at = (base + j[:, None]) * DK + ck[None, :]
     tl.store(tinv_ptr + (base + j[None, :]) * LP + j[:, None], X)  # transposed: [i, j] = X[j, i]
@@ -120,16 +123,21 @@ def _refresh_scalars(bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr, total_p
 
 @triton.jit
 def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, k_ptr, skb, skt, skh, ske, q_ptr, sqb,
-                       sqt, sqh, sqe, g_ptr, sgb, sgt, sgh, sge, kn_ptr, qn_ptr, kd_ptr, qd_ptr, scores_ptr, due_ptr, scale, SCRATCH, B, HK, HV,
+                       sqt, sqh, sqe, g_ptr, sgb, sgt, sgh, sge, kn_ptr, qn_ptr, kd_ptr, qd_ptr, scores_ptr, due_ptr,
+                       parents_ptr, anc_ptr, gaps_ptr, scale, SCRATCH, B, HK, HV,
                        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
-                       RATIO: tl.constexpr, NORM: tl.constexpr, DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, PDL: tl.constexpr):
+                       RATIO: tl.constexpr, NORM: tl.constexpr, DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr,
+                       TREE: tl.constexpr, MAXD: tl.constexpr, PDL: tl.constexpr):
     """Once per (batch row, key head): the T new keys and queries prepared in fp32 (L2-normalized
     when NORM, as flash-linear-attention's l2norm; queries times ``scale``) into kn, qn
     [b, T, HK, K]; the batch row's committed count into ``cursors`` [b]; then per value head of
     the key head the decay-weighted scores [b, HV, 2, T, LP] and kd, qd [b, T, HV, K]. Program
     (0, 0) also lists the slots due to refresh for the solve and refresh launches
     (``window.list_due``). The caller's k, q, g are read through their strides (s*,
-    ``launch.token_strides``)."""
+    ``launch.token_strides``). TREE: the batch row's draft tree ``parents`` [b, T]; draft s's
+    scores, segment decays and e^{G_t} run along its own path (its ancestors, ``window.draft_view``),
+    so the step kernel needs no tree of its own; program (b, 0) stores the slot's pending tree
+    (``window.ancestor_masks``: ``cache.draft_gaps`` for accept, and anc [b, T])."""
     after_previous_launch(PDL)
     pid_b, khead = tl.program_id(0), tl.program_id(1)
     if (pid_b == 0) & (khead == 0):
@@ -146,9 +154,12 @@ def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, k_
         tl.store(kn_ptr + at, k, mask=cols)
         tl.store(qn_ptr + at, q * scale, mask=cols)
     tl.debug_barrier()  # the rows just written are read back by other threads of the program
-    _, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
+    valid, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
     if khead == 0:
         tl.store(cursors_ptr + pid_b, h)
+        if TREE:
+            ancestor_masks(parents_ptr, anc_ptr, gaps_ptr, pid_b, valid, row, T, MAXD)
+    anc = ancestor_bits(parents_ptr, pid_b, valid, T) if TREE else 0
     j = tl.arange(0, LP)
     h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
     K = window_rows(bk_ptr, kn_ptr, T * HK * DK, HK * DK, DK, 1, row, pid_b, h, khead, HK, ck, DK, T, L, LP)
@@ -161,11 +172,12 @@ def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, k_
             q = tl.load(qn_ptr + (tok * HK + khead) * DK + ck, mask=cols, other=0.0)
             k = tl.load(kn_ptr + (tok * HK + khead) * DK + ck, mask=cols, other=0.0).to(bk_ptr.dtype.element_ty).to(
                 tl.float32)
-            upto = (j <= t)[:, None]
-            KE = K * tl.where(upto, tl.exp(tl.where(upto, _segments_to(G, t), float("-inf"))), 0.0)
+            seen = draft_view(draft_bits(anc, s, TREE), h, s, LP, TREE)  # j <= t for a chain
+            upto = seen[:, None]
+            KE = K * tl.where(upto, tl.exp(tl.where(upto, _segments_along(G, seen), float("-inf"))), 0.0)
             base = ((pid_b * HV + vhead) * 2 * T + s) * LP
             tl.store(scores_ptr + base + j, tl.sum(KE * q[None, :], 1))
-            tl.store(scores_ptr + base + T * LP + j, tl.where(j < t, tl.sum(KE * k[None, :], 1), 0.0))
+            tl.store(scores_ptr + base + T * LP + j, tl.where(seen & (j < t), tl.sum(KE * k[None, :], 1), 0.0))
             decay = tl.exp(tl.sum(tl.where(upto, G, 0.0), 0))  # e^{G_t}: a sum from the checkpoint
             tl.store(kd_ptr + (tok * HV + vhead) * DK + ck, decay * k, mask=cols)
             tl.store(qd_ptr + (tok * HV + vhead) * DK + ck, decay * q, mask=cols)
@@ -341,9 +353,10 @@ def _kda_step_kernel(
         tl.store(bu_ptr + (tok_buf * HV + head) * DV + rv, u_s)
 
 
-def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: bool, o):
+def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: bool, o, parents=None):
     """One KDA decode (T = 1) or verify step on the Triton backend.
 
+    parents int32/int64 [b, T] (a draft tree, T <= 32) or None (a chain).
     q, k [b, T, HK, K] as given to the public call (L2-normalized here when ``normalize``; q
     times ``scale``); v [b, T, HV, V]; g [b, T, HV, K] (per-channel log decay); beta [b, T, HV];
     any float dtypes, any strides (views of a packed projection are read in place,
@@ -371,10 +384,12 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     cursors = torch.empty(b, dtype=cache.committed.dtype, device=dev)
     refresh = (tinv, rk, fk, total)
     due = torch.empty(b + 1, dtype=torch.int32, device=dev)
+    anc = due if parents is None else torch.empty(b, T, dtype=torch.int32, device=dev)
     launch.run(_kda_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], buf["g"], k, *strides(k), q,
                *strides(q), g, *strides(g), kn, qn, kd,
-               qd, scores, due, float(scale), cache.scratch_row, b, HK, HV, T=T, L=cache.window, LP=LP, DK=K, DKP=DKP,
-               RATIO=HV // HK, NORM=normalize, **launch.due_scan(b, True))
+               qd, scores, due, due if parents is None else parents, anc, cache.draft_gaps, float(scale),
+               cache.scratch_row, b, HK, HV, T=T, L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, NORM=normalize,
+               **launch.due_scan(b, True), TREE=parents is not None, MAXD=cache.max_draft)
     n, rounds = launch.refresh_grid(b, T, cache.window)
     launch.run(_kda_solve_kernel, (HK, n), slots, cursors, due, buf["k"], buf["g"], g, buf["beta"], *refresh, HK, HV,
                L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, SQUARINGS=LP.bit_length() - 2, ROUNDS=rounds,
