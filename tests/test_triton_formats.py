@@ -27,7 +27,7 @@ def _roundtrip_kernel(x_ptr, v_ptr, s_ptr, g_ptr, load_ptr, q_ptr, mv_ptr, seed_
     back = tf.load_tile(v_ptr, s_ptr, g_ptr, mat, mat, rv, ck, DV, DK, FMT)
     tl.store(load_ptr + (mat * DV + rv[:, None]) * DK + ck[None, :], back)
     ra, rb, rsc = tf.load_read(v_ptr, s_ptr, g_ptr, mat, mat, rv, DV, DK, DK, FMT)
-    qa, qb = tf.load_query(q_ptr, DK, DK, FMT)
+    qa, qb = tf.load_query(q_ptr, 1, DK, DK, FMT)
     tl.store(mv_ptr + mat * DV + rv, tf.matvec(ra, rb, rsc, qa, qb, FMT))
 
 
@@ -92,7 +92,7 @@ def _padded_roundtrip_kernel(x_ptr, v_ptr, s_ptr, g_ptr, load_ptr, q_ptr, mv_ptr
         back = tf.load_tile(v_ptr, s_ptr, g_ptr, mat, mat, rv, ck, DV, DK, FMT)
         tl.store(load_ptr + (mat * DV + rv[:, None]) * DK + ck[None, :], back, mask=ck[None, :] < DK)
     ra, rb, rsc = tf.load_read(v_ptr, s_ptr, g_ptr, mat, mat, rv, DV, DK, DKP, FMT)
-    qa, qb = tf.load_query(q_ptr, DK, DKP, FMT)
+    qa, qb = tf.load_query(q_ptr, 1, DK, DKP, FMT)
     tl.store(mv_ptr + mat * DV + rv, tf.matvec(ra, rb, rsc, qa, qb, FMT))
 
 

@@ -196,10 +196,10 @@ def test_triton_heads_of_any_dims_match_float64(dv, dk, preset, tuning):
 
 
 @triton.jit
-def _first_channel_decays(bg_ptr, g_ptr, row, pid_b, h, vhead, HV, T: tl.constexpr, L: tl.constexpr,
-                          LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr):
+def _first_channel_decays(bg_ptr, g_ptr, sgb, sgt, sgh, sge, row, pid_b, h, vhead, HV, T: tl.constexpr,
+                          L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr):
     """A broken ``_log_decays``: channel 0's log decay for every channel (a GDN-style decay)."""
-    G = window_rows(bg_ptr, g_ptr, row, pid_b, h, vhead, HV, tl.arange(0, DKP), DK, T, L, LP)
+    G = window_rows(bg_ptr, g_ptr, sgb, sgt, sgh, sge, row, pid_b, h, vhead, HV, tl.arange(0, DKP), DK, T, L, LP)
     first = tl.sum(tl.where(tl.arange(0, DKP)[None, :] == 0, G, 0.0), 1)
     return first[:, None] + tl.zeros_like(G)
 
