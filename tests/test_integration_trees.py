@@ -141,26 +141,6 @@ def test_bad_tree_names_the_drafter():
             p.accept(torch.tensor([1]), path=torch.zeros(1, 2))
 
 
-@pytest.mark.parametrize("declared", [True, False])
-def test_tree_drafter_refused_where_caches_do_not_verify_trees(monkeypatch, declared):
-    """Caches that verify no trees (KDA's on the Triton backend, here pretended by this model's GDN
-    layers): the layer's own refusal, named with the drafter; a tree drafter is refused right after
-    the prefill, a callable at its first tree, before any verify."""
-    from replayssm import checks
-
-    def refuse(self):
-        raise ValueError(checks.TREE_BACKEND)
-
-    monkeypatch.setattr(rst._GDNAdapter, "check_tree", refuse)
-    model = model_of("qwen3_5")
-    ids = _repetitive_prompt()
-    drafter = NGramTreeDrafter() if declared else (lambda tokens, k: ([7, 8], [-1, -1]))
-    with pytest.raises(rst.ReplaySSMUnsupported, match="drafter (NGramTreeDrafter|<lambda>)") as err:
-        speculative_generate(model, ids, drafter=drafter, num_draft=3, max_new_tokens=8, backend="torch")
-    assert checks.TREE_BACKEND in str(err.value)
-    assert rst.get_patch(model) is None
-
-
 # ---------------------------------------------------------------------------------------------
 # teeth: each piece of the tree step is needed
 # ---------------------------------------------------------------------------------------------

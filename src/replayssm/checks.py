@@ -151,20 +151,14 @@ TRITON_TREE_MAX = 32
 
 
 #: Why a verify refuses a draft tree on a backend without tree kernels (KDA on Triton).
-TREE_BACKEND = "parents: this layer's Triton kernels verify chains only; use backend='torch' for a draft tree"
-
-
-def draft_parents(cache, slots, parents, T: int, backend_kind: str, triton_trees: bool = True):
+def draft_parents(cache, slots, parents, T: int, backend_kind: str):
     """``parents``: int32/int64 [b, T] (or None, a chain), -1 <= parents[i, s] < s on real rows:
     the draft that draft s follows, -1 the last committed token. Returns int64 [b, T] (PyTorch
     backend: pads and unchecked values clamped into a tree), the contiguous tensor as given
-    (Triton: its kernels clamp, so a step stays free of PyTorch work), or None. ``triton_trees``
-    False: the layer's Triton kernels take no tree (``TREE_BACKEND``)."""
+    (Triton: its kernels clamp, so a step stays free of PyTorch work), or None."""
     if parents is None:
         return None
     check_tensor("parents", parents, (slots.shape[0], T), cache.device, INT_DTYPES)
-    if backend_kind == "triton" and not triton_trees:
-        raise ValueError(TREE_BACKEND)
     if backend_kind == "triton" and T > TRITON_TREE_MAX:
         raise ValueError(f"parents: backend='triton' verifies trees of at most {TRITON_TREE_MAX} drafts, got {T}")
     parents = parents.contiguous() if backend_kind == "triton" else parents.to(torch.int64).contiguous()

@@ -55,8 +55,6 @@ A step with a tree (any row's drafts not a chain) runs the same forward with thr
   row's last T positions are reordered to the path first (in committed order), the rest behind it
   masked or cropped as for a chain.
 
-Tree steps need caches that verify trees (the PyTorch backend today): otherwise the first tree
-raises ``ReplaySSMUnsupported`` naming the drafter, with the layer's own refusal as the reason.
 A step whose drafts are all chains runs as a chain verify.
 
 Not supported (``ReplaySSMUnsupported``): attention layers with a sliding window (masked positions
@@ -459,22 +457,10 @@ def speculative_generate(model, input_ids, drafter="ngram", num_draft: int = 4, 
                 kw["position_ids"] = pos
             return model(**kw).logits
 
-        trees_checked = False
-
-        def check_trees():
-            try:
-                ctx.check_trees()
-            except ValueError as e:
-                raise ReplaySSMUnsupported(f"drafter {name} drafts trees, which this model's ReplaySSM "
-                                           f"caches do not verify: {e}") from e
-
         # prefill (the stock path); positions as generate makes them: cumsum of the mask - 1
         pos = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
         logits = forward(input_ids, mask, pos)
         kv_layers = _attention_layers(hf_cache)
-        if getattr(drafter, "drafts_trees", False):  # refuse up front, not at its first tree
-            check_trees()
-            trees_checked = True
         context = [input_ids[r][mask[r] == 1].tolist() for r in range(b)]  # each row's own tokens
         generated = [[] for _ in range(b)]
         committed = mask.sum(-1)  # [b] tokens each row has committed: its next position id
@@ -531,9 +517,6 @@ def speculative_generate(model, input_ids, drafter="ngram", num_draft: int = 4, 
             else:
                 tree = None
                 if not chain:
-                    if not trees_checked:
-                        check_trees()
-                        trees_checked = True
                     tree = torch.tensor(parents, dtype=torch.int64, device=device)
                     if kv_layers:  # each fed token sees its ancestors and itself, never its siblings
                         from ..step import ancestors

@@ -41,7 +41,6 @@ What the patch does, per state-space layer (one ReplaySSM cache per layer, one s
   ``verifying(parents=...)`` the T tokens are a draft tree: the state-space layers get
   ``parents=``, each convolution reads along the token's ancestors, and ``accept(n, path=...)``
   commits the root path ``path[:, :n]`` (PyTorch backend).
-  ``check_trees()`` raises the layers' own refusal where a cache does not verify trees.
 
 Unsupported things raise ``ReplaySSMUnsupported`` (never a silent fall back to the stock path):
 a model with no supported layer, a recurrent-mixer class that this module does not know, a
@@ -68,8 +67,6 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("replayssm.integrations.transformers needs the 'hf' extra: "
                       "pip install 'replayssm[hf]' (transformers>=5.24,<5.25)") from e
 
-from .. import checks
-from ..backend import pick_backend
 from ..gdn.cache import GDNCache
 from ..gdn.ops import gdn_decode, gdn_verify
 from ..kda.cache import KDACache
@@ -234,7 +231,6 @@ class _LayerAdapter:
     pending convolution inputs of a verify."""
 
     kind = "base"
-    triton_trees = True  #: whether the layer's Triton kernels verify draft trees
 
     def __init__(self, owner: "ReplayPatch", module):
         self.owner = owner
@@ -352,14 +348,6 @@ class _LayerAdapter:
         """The pending verify's draft tree on the cache's device (int64 [b, T]), or None (a chain)."""
         p = self.owner.parents
         return None if p is None else p.to(self.cache.device)
-
-    def check_tree(self):
-        """Raise the ``ValueError`` this layer's verify raises for a draft tree on its cache (e.g. a
-        backend without tree kernels); return quietly when it verifies trees."""
-        slots = self.slots(self.batch, self.cache.device)
-        parents = torch.full((self.batch, 1), -1, dtype=torch.int64, device=self.cache.device)
-        checks.draft_parents(self.cache, slots, parents, 1, pick_backend(self.cache, self.owner.backend),
-                             self.triton_trees)
 
     def accept(self, num_inputs, path=None):
         """Commit the first ``num_inputs[b]`` (>= 0) tokens of the pending verify; after a tree
@@ -536,8 +524,6 @@ class _KDAAdapter(_LayerAdapter):
     The gate is the layer's own ``forget_gate`` module, so its softplus (linear above 20) is
     transformers' own; ReplaySSM takes the per-channel log decay g it returns.
     """
-
-    triton_trees = False
 
     kind = "kda"
 
@@ -716,13 +702,6 @@ class ReplayPatch:
             yield self
         finally:
             self.mode, self.parents = "decode", None
-
-    def check_trees(self):
-        """Raise the ``ValueError`` a layer's verify would raise for a draft tree (e.g. a cache on a
-        backend without tree kernels); quiet when every allocated cache verifies trees."""
-        for ad in self.adapters:
-            if ad.cache is not None:
-                ad.check_tree()
 
     def accept(self, num_inputs, path=None):
         """Commit the first ``num_inputs[b]`` tokens of the last verify in every layer (SSM caches and
