@@ -143,6 +143,12 @@ def instructions(compiled) -> list[str]:
     return sorted(re.sub(r"%[a-z]+[0-9]+", "%r", re.sub(r"\$L__\w+", "L", line)) for line in keep)
 
 
+def kernel_label(kernel, kwargs) -> str:
+    """The kernel's name, with ":due" for a step launch over the slots due only
+    (``launch.DUE_ONLY``, ``StepShape.beside``), which compiles apart from the launch over the others."""
+    return kernel.fn.__name__ + (":due" if kwargs.get("DUE") == launch.DUE_ONLY else "")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--arch", default="mamba2,gdn,kda")
@@ -178,15 +184,16 @@ def main(argv=None):
                 for kernel, a, kw in record_step(arch, preset, args.draft, args.tree, dims):
                     if not any(part in kernel.fn.__name__ for part in ("step", "refresh", "scores", "solve")):
                         continue
+                    label = kernel_label(kernel, kw)
                     if args.instructions:
                         os.makedirs(args.instructions, exist_ok=True)
-                        name = f"{arch}_{preset}_T{args.draft}_{kernel.fn.__name__.strip('_')}.txt"
+                        name = f"{arch}_{preset}_T{args.draft}_{label.strip('_').replace(':', '_')}.txt"
                         with open(os.path.join(args.instructions, name), "w") as f:
                             f.write("\n".join(instructions(compile_sm90(kernel, a, kw))) + "\n")
                         continue
                     res = assemble(kernel, a, kw)
                     shown = f"{kw.get('BV', kw.get('FR', '-'))}x{kw.get('num_warps', 4)}"
-                    print(f"{arch:7s} {preset:12s} {shown:8s} {kernel.fn.__name__:24s} {res['registers']:4d} "
+                    print(f"{arch:7s} {preset:12s} {shown:8s} {label:24s} {res['registers']:4d} "
                           f"{res['spill_stores']:5d}/{res['spill_loads']:<5d} {res['stack']:5d} {res['shared']:6d} "
                           f"{res['sass']:6d} {res['shfl']:5d}",
                           flush=True)

@@ -31,17 +31,23 @@ def _rows(stdout):
 
 def test_step_kernels_assemble_without_spills_and_the_pin_saves_shuffles(tmp_path):
     """The default decode step kernels of every layer kind, refresh branch included, fit in registers
-    (no spills); GDN's pinned read-copy load (``launch.SHAPES``: 16 elements per thread) reduces its
-    rows in fewer warp shuffles than the same kernel unpinned. Fails if a kernel spills or ignores PIN."""
+    (no spills), but for GDN's step launch over the slots due only (``launch.DUE_ONLY``: a sixteenth
+    of a staggered step's programs, each refreshing its rows first), which may spill a few words
+    (16 bytes on sm_90a; measured faster than a refresh launch of its own, ``launch.SHAPES``); GDN's
+    pinned read-copy load (16 elements per thread) reduces its rows in fewer warp shuffles than the
+    same kernel unpinned. Fails if a kernel spills or ignores PIN."""
     rows = _rows(_compile_for_sm90(tmp_path, PTXAS_REPORT, "--presets", "s32_rs"))
     assert {r[0] for r in rows} == {"mamba2", "gdn", "kda"}
+    assert [r[3] for r in rows if r[0] == "gdn"] == ["_gdn_step_kernel:due", "_gdn_step_kernel"]
     for arch, preset, shape, kernel, regs, spills, stack, smem, sass, shfl in rows:
-        assert 0 < int(regs) <= 255 and spills == "0/0", (arch, regs, spills)
+        stores, loads = (int(n) for n in spills.split("/"))
+        allowed = 32 if kernel.endswith(":due") else 0
+        assert 0 < int(regs) <= 255 and stores <= allowed and loads <= allowed, (arch, kernel, regs, spills)
         assert int(sass) > int(shfl) > 0, (arch, sass, shfl)  # the step kernels reduce across lanes
     unpinned = _rows(_compile_for_sm90(tmp_path, PTXAS_REPORT, "--arch", "gdn", "--presets", "s32_rs",
                                        "--tuning", "pin=0"))
     pinned = [r for r in rows if r[0] == "gdn"]
-    assert int(pinned[0][-1]) < int(unpinned[0][-1]), (pinned, unpinned)
+    assert int(pinned[-1][-1]) < int(unpinned[-1][-1]), (pinned, unpinned)  # the launch over the slots not due
 
 
 PDL_SCRIPT = r"""
