@@ -1,10 +1,10 @@
-"""Gated DeltaNet ReplaySSM Triton kernels: output-only decode/verify with the refresh as a branch.
+"""Gated DeltaNet ReplaySSM Triton kernels: output-only decode/verify.
 
 A step is four launches (``_triton/launch.py``): ``_gdn_scores_kernel`` (the input preparation
 — L2 norms, query scale, fp32 casts — and k_j . q_s, k_j . k_s over the window, once per batch row
 and key head; the list of slots due to refresh), ``_gdn_solve_kernel`` (for the slots due only:
-the decays and the inverse of the residual system), ``_gdn_step_kernel`` (one program per block of state rows, value head and batch row; GDN's
-residuals are separable over state rows) and ``launch.advance`` (shared buffer fields k, g, beta
+the decays and the inverse of the residual system), ``_gdn_step_kernel`` (one program per block
+of state rows, value head and batch row; GDN's residuals are separable over state rows) and ``launch.advance`` (shared buffer fields k, g, beta
 and the cursors). Where the launch policy puts the slots due beside the others
 (``launch.StepShape.beside``), their solve and a step launch over them only, each program refreshing
 its rows first, run on a side stream beside the step launch over the other slots.
@@ -464,8 +464,8 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     due = torch.empty(b + 1, dtype=torch.int32, device=dev)
     anc = cursors if parents is None else torch.empty(b, T, dtype=torch.int32, device=dev)
     launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], k, *strides(k), q, *strides(q),
-               kn, qn, scores, *gate_args, due, cursors if parents is None else parents.contiguous(), anc, cache.draft_gaps, float(scale),
-               cache.scratch_row, b, HK, HV, T=T, L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, NORM=normalize,
+               kn, qn, scores, *gate_args, due, cursors if parents is None else parents.contiguous(), anc,
+               cache.draft_gaps, float(scale), cache.scratch_row, b, HK, HV, T=T, L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, NORM=normalize,
                GATE=gate is not None, HAS_DTB=gate is not None and gate[3] is not None,
                RP=triton.next_power_of_2(HV // HK), TREE=parents is not None, MAXD=cache.max_draft,
                **launch.due_scan(b, True))

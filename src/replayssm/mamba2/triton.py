@@ -274,15 +274,16 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     launch.run(_mamba2_scores_kernel, (b, G), slots, cache.committed, cursors, buf["B"], buf["dt"], buf["log_alpha"],
                B, *strides(B), C, *strides(C), scores, fold_w, fold_decay, dt_in, *strides(dt_in)[:3],
                A if dt_bias is None else dt_bias, launch.head_stride(dt_bias), A, launch.head_stride(A), dt,
-               log_alpha, due, tree["parents"], anc, cache.draft_gaps, cache.scratch_row, b, H, G, T=T, L=cache.window, LP=LP, DK=N, DKP=DKP,
+               log_alpha, due, tree["parents"], anc, cache.draft_gaps, cache.scratch_row, b, H, G, T=T, L=cache.window,
+               LP=LP, DK=N, DKP=DKP,
                HG=triton.next_power_of_2(H // G), HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
                TREE=tree["TREE"], MAXD=cache.max_draft, **launch.due_scan(b, shape.split))
     FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "mamba2")
     read_after = launch.read_copy_after_fold(cache)
     if shape.split:
         launch.run(_mamba2_refresh_kernel, (P // FR, H, launch.refresh_grid(b, T, cache.window)[0]), slots, cursors,
-                   cache.tokens, cache.seeds, fold_w, fold_decay, *anchor, *read, buf["x"], buf["B"], due, H, G, T=T, L=cache.window, LP=LP, DV=P, DK=N, DKP=DKP, FR=FR, KC=KC, STAGES=shape.stages,
-                   READ_AFTER=read_after,
+                   cache.tokens, cache.seeds, fold_w, fold_decay, *anchor, *read, buf["x"], buf["B"], due, H, G, T=T,
+                   L=cache.window, LP=LP, DV=P, DK=N, DKP=DKP, FR=FR, KC=KC, STAGES=shape.stages, READ_AFTER=read_after,
                    ROUNDS=launch.refresh_grid(b, T, cache.window)[1], num_warps=shape.refresh_warps, **consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
     launch.run(
