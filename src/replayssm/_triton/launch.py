@@ -409,7 +409,8 @@ class StepShape(NamedTuple):
 #: - GDN verify of T = 4 from fp32 takes a 168-register cap: reading the inputs through their
 #:   strides took the step kernel from 168 registers to 185 (10 warps per SM instead of 12; 831.2
 #:   against 809.5 us per round in the same-run comparisons at 7df5b4e and 6a14c21); capped, it
-#:   compiles to 164 registers, no spills, the same instruction count as before.
+#:   compiles to 164 registers, no spills, the same instruction count as before: 794.9 against 831.2
+#:   uncapped (one sweep, batch 256).
 #: - verify of T = 4 from fp32, the step kernel's shape (2026-12 sweep, us per round): Mamba-2 1 warp
 #:   639.1 (2 warps 892.4, 4 warps 888.3, 4 warps capped at 80 registers 841.6, 1 warp capped at 200
 #:   807.7; products on tensor cores, streamed: 726.8); GDN streamed products 805.0 (loaded whole
