@@ -82,6 +82,8 @@ def compile_sm90(kernel, args, kwargs):
     the device's."""
     names = kernel.arg_names
     constexprs = {k: v for k, v in kwargs.items() if k in names}
+    # constexpr parameters passed by position (the input strides) are compile-time values too
+    constexprs.update({p.name: v for p, v in zip(kernel.params, args) if p.is_constexpr})
     signature, attrs = {}, {}
     for i, (name, value) in enumerate(zip(names, list(args) + [None] * (len(names) - len(args)))):
         if name in constexprs:

@@ -33,7 +33,7 @@ def test_step_kernels_assemble_without_spills_and_the_pin_saves_shuffles(tmp_pat
     """The default decode step kernels of every layer kind, refresh branch included, fit in registers
     (no spills), but for GDN's step launch over the slots due only (``launch.DUE_ONLY``: a sixteenth
     of a staggered step's programs, each refreshing its rows first), which may spill a few words
-    (16 bytes on sm_90a; measured faster than a refresh launch of its own, ``launch.SHAPES``); GDN's
+    (28 bytes on sm_90a; measured faster than a refresh launch of its own, ``launch.SHAPES``); GDN's
     pinned read-copy load (16 elements per thread) reduces its rows in fewer warp shuffles than the
     same kernel unpinned. Fails if a kernel spills or ignores PIN."""
     rows = _rows(_compile_for_sm90(tmp_path, PTXAS_REPORT, "--presets", "s32_rs"))

@@ -4,8 +4,8 @@ A step is four launches (``_triton/launch.py``): ``_gdn_scores_kernel`` (the inp
 — L2 norms, query scale, fp32 casts — and k_j . q_s, k_j . k_s over the window, once per batch row
 and key head; the list of slots due to refresh), ``_gdn_solve_kernel`` (for the slots due only:
 the decays and the inverse of the residual system), ``_gdn_step_kernel`` (one program per block
-of state rows, value head and batch row; GDN's residuals are separable over state rows) and ``launch.advance`` (shared buffer fields k, g, beta
-and the cursors). Where the launch policy puts the slots due beside the others
+of state rows, value head and batch row; GDN's residuals are separable over state rows) and
+``launch.advance`` (shared buffer fields k, g, beta and the cursors). Where the launch policy puts the slots due beside the others
 (``launch.StepShape.beside``), their solve and a step launch over them only, each program refreshing
 its rows first, run on a side stream beside the step launch over the other slots.
 
@@ -80,13 +80,16 @@ def _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L: tl.cons
 
 
 @triton.jit
-def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, skb, skt, skh, ske, q_ptr, sqb, sqt,
-                       sqh, sqe, kn_ptr, qn_ptr, scores_ptr, a_ptr, sab, sat, sah, b_ptr, sbb, sbt, sbh, alog_ptr,
-                       s_alog, dtb_ptr, s_dtb, gn_ptr, betan_ptr, due_ptr, parents_ptr, anc_ptr, gaps_ptr, scale,
-                       SCRATCH, B, HK, HV, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr,
-                       DKP: tl.constexpr, RATIO: tl.constexpr, NORM: tl.constexpr, GATE: tl.constexpr, HAS_DTB: tl.constexpr,
-                       RP: tl.constexpr, DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, TREE: tl.constexpr,
-                       MAXD: tl.constexpr, PDL: tl.constexpr):
+def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, skb: tl.constexpr, skt: tl.constexpr,
+                       skh: tl.constexpr, ske: tl.constexpr, q_ptr, sqb: tl.constexpr, sqt: tl.constexpr,
+                       sqh: tl.constexpr, sqe: tl.constexpr, kn_ptr, qn_ptr, scores_ptr, a_ptr, sab: tl.constexpr,
+                       sat: tl.constexpr, sah: tl.constexpr, b_ptr, sbb: tl.constexpr, sbt: tl.constexpr,
+                       sbh: tl.constexpr, alog_ptr, s_alog: tl.constexpr, dtb_ptr, s_dtb: tl.constexpr, gn_ptr,
+                       betan_ptr, due_ptr, parents_ptr, anc_ptr, gaps_ptr, scale, SCRATCH, B, HK, HV, T: tl.constexpr,
+                       L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, RATIO: tl.constexpr,
+                       NORM: tl.constexpr, GATE: tl.constexpr, HAS_DTB: tl.constexpr, RP: tl.constexpr,
+                       DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, TREE: tl.constexpr, MAXD: tl.constexpr,
+                       PDL: tl.constexpr):
     """Once per (batch row, key head): the T new keys and queries prepared in fp32 (L2-normalized
     when NORM, as flash-linear-attention's l2norm, queries times ``scale``) into kn, qn [b, T, HK, K]
     for the other launches; the batch row's committed count into ``cursors`` [b]; then
@@ -382,18 +385,17 @@ def _gdn_step_program(
 
 
 @triton.jit
-def _gdn_step_kernel(
-        slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, decays_ptr,
-        av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
-        bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, bu_ptr,
-        q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, g_ptr, sgb, sgt, sgh, beta_ptr, sbb, sbt, sbh, scores_ptr, anc_ptr,
-        o_ptr, due_ptr, SCRATCH, HV, HK,
-        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
-        DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr,
-        KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
-        SHARED: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr, STREAM: tl.constexpr,
-        PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr,
-        TREE: tl.constexpr, DUE: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
+def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, decays_ptr, av_ptr, as_ptr, ag_ptr,
+                     rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, bu_ptr, q_ptr, k_ptr, v_ptr,
+                     svb: tl.constexpr, svt: tl.constexpr, svh: tl.constexpr, sve: tl.constexpr, g_ptr,
+                     sgb: tl.constexpr, sgt: tl.constexpr, sgh: tl.constexpr, beta_ptr, sbb: tl.constexpr,
+                     sbt: tl.constexpr, sbh: tl.constexpr, scores_ptr, anc_ptr, o_ptr, due_ptr, SCRATCH, HV, HK,
+                     T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
+                     DKP: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr,
+                     A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr,
+                     OUTPUT_DOT: tl.constexpr, QP: tl.constexpr, STREAM: tl.constexpr, PIN: tl.constexpr,
+                     REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr, TREE: tl.constexpr,
+                     DUE: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
     """Program (v, head, c). DUE = ``launch.EVERY_SLOT``: c is the batch row; ``launch.NOT_DUE``:
     the same, but a slot due to refresh is left to a ``launch.DUE_ONLY`` launch; DUE_ONLY: c takes
     the slots due of ranks c, c + n, ... (``window.list_due``, n programs per tile), each refreshed
@@ -465,7 +467,8 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     anc = cursors if parents is None else torch.empty(b, T, dtype=torch.int32, device=dev)
     launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], k, *strides(k), q, *strides(q),
                kn, qn, scores, *gate_args, due, cursors if parents is None else parents.contiguous(), anc,
-               cache.draft_gaps, float(scale), cache.scratch_row, b, HK, HV, T=T, L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, NORM=normalize,
+               cache.draft_gaps, float(scale), cache.scratch_row, b, HK, HV, T=T, L=cache.window, LP=LP, DK=K,
+               DKP=DKP, RATIO=HV // HK, NORM=normalize,
                GATE=gate is not None, HAS_DTB=gate is not None and gate[3] is not None,
                RP=triton.next_power_of_2(HV // HK), TREE=parents is not None, MAXD=cache.max_draft,
                **launch.due_scan(b, True))

@@ -122,12 +122,14 @@ def _refresh_scalars(bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr, total_p
 
 
 @triton.jit
-def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, k_ptr, skb, skt, skh, ske, q_ptr, sqb,
-                       sqt, sqh, sqe, g_ptr, sgb, sgt, sgh, sge, kn_ptr, qn_ptr, kd_ptr, qd_ptr, scores_ptr, due_ptr,
-                       parents_ptr, anc_ptr, gaps_ptr, scale, SCRATCH, B, HK, HV,
-                       T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
-                       RATIO: tl.constexpr, NORM: tl.constexpr, DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr,
-                       TREE: tl.constexpr, MAXD: tl.constexpr, PDL: tl.constexpr):
+def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, k_ptr, skb: tl.constexpr,
+                       skt: tl.constexpr, skh: tl.constexpr, ske: tl.constexpr, q_ptr, sqb: tl.constexpr,
+                       sqt: tl.constexpr, sqh: tl.constexpr, sqe: tl.constexpr, g_ptr, sgb: tl.constexpr,
+                       sgt: tl.constexpr, sgh: tl.constexpr, sge: tl.constexpr, kn_ptr, qn_ptr, kd_ptr, qd_ptr,
+                       scores_ptr, due_ptr, parents_ptr, anc_ptr, gaps_ptr, scale, SCRATCH, B, HK, HV, T: tl.constexpr,
+                       L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, RATIO: tl.constexpr,
+                       NORM: tl.constexpr, DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, TREE: tl.constexpr,
+                       MAXD: tl.constexpr, PDL: tl.constexpr):
     """Once per (batch row, key head): the T new keys and queries prepared in fp32 (L2-normalized
     when NORM, as flash-linear-attention's l2norm; queries times ``scale``) into kn, qn
     [b, T, HK, K]; the batch row's committed count into ``cursors`` [b]; then per value head of
@@ -276,18 +278,15 @@ def _kda_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
 
 
 @triton.jit
-def _kda_step_kernel(
-        slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr,
-        av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
-        bv_ptr, bbeta_ptr, bu_ptr,
-        qd_ptr, kd_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr, o_ptr,
-        SCRATCH, HV,
-        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
-        DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr,
-        KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
-        SHARED: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr, STREAM: tl.constexpr,
-        PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr,
-        PDL: tl.constexpr):
+def _kda_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr, av_ptr, as_ptr,
+                     ag_ptr, rv_ptr, rs_ptr, rg_ptr, bv_ptr, bbeta_ptr, bu_ptr, qd_ptr, kd_ptr, v_ptr,
+                     svb: tl.constexpr, svt: tl.constexpr, svh: tl.constexpr, sve: tl.constexpr, beta_ptr,
+                     sbb: tl.constexpr, sbt: tl.constexpr, sbh: tl.constexpr, scores_ptr, o_ptr, SCRATCH, HV,
+                     T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
+                     DKP: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr,
+                     A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr,
+                     OUTPUT_DOT: tl.constexpr, QP: tl.constexpr, STREAM: tl.constexpr, PIN: tl.constexpr,
+                     REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr, PDL: tl.constexpr):
     after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)

@@ -37,15 +37,15 @@ from .._triton.formats import (load_query, load_read, load_tile, matvec, pin_vec
 
 
 @triton.jit
-def _mamba2_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bB_ptr, bdt_ptr, bla_ptr, B_ptr, sBb, sBt, sBh, sBe,
-                          C_ptr, sCb, sCt, sCh, sCe, scores_ptr, fold_w_ptr, fold_decay_ptr, dt_ptr, sdb, sdt, sdh,
-                          bias_ptr, s_bias, A_ptr, s_A, dtn_ptr, la_ptr, due_ptr,
-                          parents_ptr, anc_ptr, gaps_ptr, SCRATCH, B, H, G, T: tl.constexpr, L: tl.constexpr,
-                          LP: tl.constexpr,
-                          DK: tl.constexpr, DKP: tl.constexpr, HG: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          SOFTPLUS: tl.constexpr,
-                          DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, TREE: tl.constexpr,
-                          MAXD: tl.constexpr, PDL: tl.constexpr):
+def _mamba2_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bB_ptr, bdt_ptr, bla_ptr, B_ptr, sBb: tl.constexpr,
+                          sBt: tl.constexpr, sBh: tl.constexpr, sBe: tl.constexpr, C_ptr, sCb: tl.constexpr,
+                          sCt: tl.constexpr, sCh: tl.constexpr, sCe: tl.constexpr, scores_ptr, fold_w_ptr,
+                          fold_decay_ptr, dt_ptr, sdb: tl.constexpr, sdt: tl.constexpr, sdh: tl.constexpr, bias_ptr,
+                          s_bias: tl.constexpr, A_ptr, s_A, dtn_ptr, la_ptr, due_ptr, parents_ptr, anc_ptr, gaps_ptr,
+                          SCRATCH, B, H, G, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr,
+                          DKP: tl.constexpr, HG: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+                          DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, TREE: tl.constexpr, MAXD: tl.constexpr,
+                          PDL: tl.constexpr):
     """Once per (batch row, group): the T new tokens' step sizes of the group's heads prepared in
     fp32 into dtn = softplus(dt + dt_bias) and la = A * dtn [b, T, H] for the other launches; the
     batch row's committed count into ``cursors`` [b]; scores[b, g, s, j] = B_j . C_s over the
@@ -135,10 +135,10 @@ def _mamba2_refresh_rows(pid_b, head, row, h, r0, seeds_ptr, tokens_ptr, fold_w_
 
 
 @triton.jit
-def _mamba2_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_ptr, fold_decay_ptr,
-                           av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, due_ptr, H, G,
-                           T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
-                           DKP: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
+def _mamba2_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_ptr, fold_decay_ptr, av_ptr, as_ptr,
+                           ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, due_ptr, H, G, T: tl.constexpr,
+                           L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
+                           FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
                            R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr,
                            READ_AFTER: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
     """The refresh in a launch of its own (``StepShape.split``): program (v, head, c) refreshes FR
@@ -180,18 +180,17 @@ def _token_loads(x_ptr, sxb, sxt, sxh, sxe, C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD
 
 
 @triton.jit
-def _mamba2_step_kernel(
-        slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_ptr, fold_decay_ptr,
-        av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
-        bx_ptr, bdt_ptr, bla_ptr, bB_ptr,
-        x_ptr, sxb, sxt, sxh, sxe, dt_ptr, la_ptr, C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD,
-        z_ptr, szb, szt, szh, sze, scores_ptr, anc_ptr, y_ptr,
-        SCRATCH, H, G,
-        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
-        DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr,
-        KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
-        SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, PIN: tl.constexpr, REFRESH: tl.constexpr,
-        STAGES: tl.constexpr, READ_AFTER: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr):
+def _mamba2_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_ptr, fold_decay_ptr, av_ptr, as_ptr,
+                        ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, x_ptr, sxb: tl.constexpr,
+                        sxt: tl.constexpr, sxh: tl.constexpr, sxe: tl.constexpr, dt_ptr, la_ptr, C_ptr,
+                        sCb: tl.constexpr, sCt: tl.constexpr, sCh: tl.constexpr, sCe: tl.constexpr, D_ptr,
+                        sD: tl.constexpr, z_ptr, szb: tl.constexpr, szt: tl.constexpr, szh: tl.constexpr,
+                        sze: tl.constexpr, scores_ptr, anc_ptr, y_ptr, SCRATCH, H, G, T: tl.constexpr, L: tl.constexpr,
+                        LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr,
+                        FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
+                        R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, HAS_D: tl.constexpr,
+                        HAS_Z: tl.constexpr, PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr,
+                        READ_AFTER: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr):
     """TREE: draft s sees the committed entries and its ancestors only (``anc`` [b, T], the
     scores launch's bitmasks), its decays summed along that path; else a chain. The caller's x, C,
     D, z are read through their strides; dt and la are the scores launch's, contiguous."""
