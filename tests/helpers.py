@@ -477,3 +477,23 @@ class TreeRowDrafter:
             else:
                 toks.append(self._int(0, self.vocab))
         return toks, parents
+
+
+def _torch_ops():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class TorchOps(TorchDispatchMode):
+        """Records the names of the PyTorch ops run inside ``with TorchOps() as ops:`` (``ops.names``)."""
+
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    return TorchOps
+
+
+TorchOps = _torch_ops()

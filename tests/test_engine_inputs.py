@@ -208,16 +208,7 @@ def test_engine_layouts_reach_the_kernels_without_a_copy(arch):
     PyTorch op beyond allocations and views (the contiguous inputs' set, plus the selects that
     reduce expanded constants), and every kernel that reads a caller's tensor gets its storage:
     the data pointer of the caller's view, not of a copy."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.add(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
+    Ops = helpers.TorchOps
 
     seen = {}
     for view in (False, True):

@@ -221,16 +221,7 @@ def test_a_kernel_with_one_decay_for_all_channels_fails_the_check(monkeypatch):
 def test_a_triton_kda_step_is_three_or_four_launches_and_no_pytorch_compute(split):
     """With check_values off a decode step is the scores, (refresh,) step and advance launches;
     PyTorch only allocates outputs and scratch and makes views."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.add(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
+    Ops = helpers.TorchOps
 
     g = helpers.generator(23)
     bf = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)  # noqa: E731
