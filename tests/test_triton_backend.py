@@ -74,14 +74,14 @@ WIDE = {"mamba2": dict(nheads=2, headdim=64, dstate=32, ngroups=1),
                                            ("mamba2", "rows64"), ("gdn", "rows64"),
                                            ("gdn", "output_dot"), ("gdn", "stream"),
                                            ("mamba2", "split"), ("gdn", "split"), ("gdn", "beside"),
-                                           ("gdn", "beside_split")])
+                                           ("gdn", "beside_split"), ("mamba2", "beside")])
 def test_triton_s32_matches_float64_reference(arch, variant):
     """Decode and verify rounds of every draft length and accept count, with pads and staggered
     slots, across refreshes: the default launch policy at a full 16-entry window (every step of
     the residual solve runs) and at 8; 64-row programs folding two 32-row sub-tiles; GDN's
     read-copy products on tensor cores at every draft length, loaded whole or streamed; and the
     refresh in a launch of its own, whose one program per tile (``launch.refresh_grid`` of 4 slots)
-    refreshes every slot due in turn; and GDN's slots due refreshed and stepped in a launch of their
+    refreshes every slot due in turn; and the slots due refreshed and stepped in a launch of their
     own (``StepShape.beside``: each refresh a branch of its step, or after a refresh launch), the
     other slots' step skipping them."""
     from replayssm._triton import launch
@@ -309,17 +309,18 @@ def test_a_triton_step_is_three_or_four_launches_and_no_pytorch_compute(arch):
         names = [name for name, _ in launches]
         solve = ["_gdn_solve_kernel"] if arch == "gdn" else []
         refresh = [f"_{arch}_refresh_kernel"] if split else []
-        if beside and arch == "gdn":  # the slots due first (on a side stream on a GPU), then the others
-            assert [due for _, due in launches] == [None, None, *[None] * split, launch.DUE_ONLY, launch.NOT_DUE,
-                                                    None]
-            assert names == ["_gdn_scores_kernel", *solve, *refresh, "_gdn_step_kernel", "_gdn_step_kernel",
-                             "advance_kernel"]
+        if beside:  # the slots due first (on a side stream on a GPU), then the others
+            assert [due for _, due in launches] == [None, *[None] * (len(solve) + split), launch.DUE_ONLY,
+                                                    launch.NOT_DUE, None]
+            assert names == [f"_{arch}_scores_kernel", *solve, *refresh, f"_{arch}_step_kernel",
+                             f"_{arch}_step_kernel", "advance_kernel"]
             continue
         assert names == [f"_{arch}_scores_kernel", *solve, *refresh, f"_{arch}_step_kernel", "advance_kernel"]
         assert ops.names <= {"empty", "empty_like", "select", "unsqueeze", "view", "slice"}, ops.names
 
 
-def test_gdn_step_beside_the_slots_due_leaves_them_to_their_own_launch():
+@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
+def test_step_beside_the_slots_due_leaves_them_to_their_own_launch(arch):
     """With ``StepShape.beside`` the step launch over every batch row (``launch.NOT_DUE``) skips the
     slots due: dropping the launch over the slots due (``launch.DUE_ONLY``) leaves exactly their
     outputs unwritten, and with it every output matches the same step without the split."""
@@ -328,20 +329,29 @@ def test_gdn_step_beside_the_slots_due_leaves_them_to_their_own_launch():
     g = helpers.generator(29)
     bf = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)  # noqa: E731
     slots = torch.tensor([0, 1, 2, 3])
-    inputs = (bf(4, 1, 32), bf(4, 1, 32), bf(4, 2, 16), -torch.rand(4, 2, generator=g), torch.rand(4, 2, generator=g))
+    if arch == "mamba2":
+        make = lambda: rs.Mamba2Cache(4, 2, 16, 32, ngroups=1, window=4)  # noqa: E731
+        inputs = (bf(4, 2, 16), bf(4, 2), -torch.rand(2, generator=g), bf(4, 1, 32), bf(4, 1, 32), torch.randn(2),
+                  bf(4, 2, 16), torch.randn(2), True)
+        call = rs.mamba2_decode
+    else:
+        make = lambda: rs.GDNCache(4, 1, 2, 32, 16, window=4)  # noqa: E731
+        inputs = (bf(4, 1, 32), bf(4, 1, 32), bf(4, 2, 16), -torch.rand(4, 2, generator=g),
+                  torch.rand(4, 2, generator=g))
+        call = rs.gdn_decode
     outs = []
     for drop_due in (False, True, None):
-        cache = rs.GDNCache(4, 1, 2, 32, 16, window=4)
+        cache = make()
         cache.load_state(slots, torch.randn(4, *cache.state_shape, generator=helpers.generator(5)) * 0.1)
         cache.check_values = False
         for k in range(4):  # slots 0 and 2 are due, 1 is not, 3 has an empty window
-            rs.gdn_decode(cache, torch.tensor([0, 1 if k == 0 else -1, 2, -1]), *inputs, backend="triton")
+            call(cache, torch.tensor([0, 1 if k == 0 else -1, 2, -1]), *inputs, backend="triton")
         out = torch.full((4, 2, 16), float("nan"))
         launch.TUNING.update(split=True, beside=drop_due is not None)
         launch.LAUNCHER = lambda kernel, grid, a, kw: (None if drop_due and kw.get("DUE") == launch.DUE_ONLY
                                                        else launch._launch(kernel, grid, a, kw))
         try:
-            rs.gdn_decode(cache, slots, *inputs, backend="triton", out=out)
+            call(cache, slots, *inputs, backend="triton", out=out)
         finally:
             launch.LAUNCHER = launch._launch
             launch.TUNING.clear()
@@ -361,9 +371,13 @@ def test_step_shapes_follow_the_policy():
     wide = rs.GDNCache(1, 1, 2, 32, 128, precision="s32_rs")
     one = launch.step_shape(wide, "gdn", 1)  # the slots due beside the others, each refresh a branch
     assert one[:2] == (32, 1) and one.beside and not one.split
-    assert not launch.step_shape(wide, "gdn", 1, batch=8).beside
+    assert not launch.step_shape(wide, "gdn", 1, batch=8).beside  # small batches: beside where a slot is due
+    assert launch.step_shape(wide, "gdn", 1, batch=16).beside and launch.step_shape(wide, "gdn", 4, batch=4).beside
+    assert not launch.step_shape(wide, "gdn", 4, batch=4).split
+    assert not launch.step_shape(rs.Mamba2Cache(1, 2, 64, 128), "mamba2", 1, batch=32).beside
     kda = rs.KDACache(1, 1, 2, 32, 128, precision="s32_rs")  # KDA: no side stream, a refresh launch
     assert launch.step_shape(kda, "kda", 1).split and not launch.step_shape(kda, "kda", 1).beside
+    assert not launch.step_shape(kda, "kda", 1, batch=32).beside
     four = launch.step_shape(wide, "gdn", 4)
     assert (four.rows, four.output_dot, four.stream, four.split, four.refresh_maxnreg) == (32, True, 3, True, 128)
     assert not launch.step_shape(wide, "gdn", 4, batch=8).split  # small batches: the refresh a branch

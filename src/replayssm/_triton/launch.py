@@ -465,10 +465,20 @@ def _uses_nvfp4(cache) -> bool:
 #: split -> branch: batch 1 7.9 -> 7.4, batch 32 76.2 -> 74.5).
 SPLIT_MIN_BATCH = 64
 
+#: Architectures whose step launches can run the slots due on a side stream (``StepShape.beside``).
+#: Below SPLIT_MIN_BATCH they do whenever a step expects a slot due (batch x T >= the window): the
+#: slots due then start first instead of whenever their programs come up, and the step is as long as
+#: the others' streaming rather than that plus a refresh's latency (H200, GDN s32_rs, us per step,
+#: in order -> beside: batch 32 decode 73.7 -> 58.3, tp16_hi32 64.5 -> 50.3, tp8_hi32 66.8 -> 47.6;
+#: verify of T = 4 138.0 -> 131.3; batch 16 decode 57.7 -> 52.5, verify 97.8 -> 85.3; batch 8 verify
+#: 75.7 -> 67.5, but decode 29.5 -> 32.7, batch 1 decode 8.2 -> 9.0: no slot due in most steps).
+SIDE_STREAM_ARCHS = ("gdn",)
+
 
 def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> StepShape:
     """The launch shape of a step of T tokens over ``batch`` rows of ``cache`` (``SHAPES``; the
-    refresh a branch below SPLIT_MIN_BATCH rows; ``TUNING`` over it). Rows are a multiple of
+    refresh a branch below SPLIT_MIN_BATCH rows, and the slots due beside the others there where a
+    step expects one, ``SIDE_STREAM_ARCHS``; ``TUNING`` over it). Rows are a multiple of
     FOLD_ROWS that divides dv, or the cache's row block (gcd(dv, 32), a power of two: 16 for dv =
     80, 8 for dv = 8 or 24) where dv is not a multiple of FOLD_ROWS or is at most FOLD_ROWS, and
     with NVFP4 (a program owns whole global-scale blocks); no products on tensor cores for an
@@ -479,7 +489,7 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
         if T >= least:
             found = BASE_SHAPE._replace(**fields)
     if batch < SPLIT_MIN_BATCH:
-        found = found._replace(split=False, beside=False)
+        found = found._replace(split=False, beside=arch in SIDE_STREAM_ARCHS and batch * T >= cache.window)
     found = found._replace(**TUNING)
     rows = found.rows
     if cache.dv <= FOLD_ROWS or cache.dv % FOLD_ROWS or _uses_nvfp4(cache):

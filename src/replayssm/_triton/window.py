@@ -63,6 +63,24 @@ def due_slot(due_ptr, slots_ptr, cursors_ptr, rank):
 
 
 @triton.jit
+def step_item(due_ptr, slots_ptr, cursors_ptr, c, it, count, SCRATCH, T: tl.constexpr, L: tl.constexpr,
+              DUE: tl.constexpr):
+    """(active, batch row, valid, storage row, committed count h, refresh due) of round ``it`` of a
+    step program whose grid index over batch rows is ``c``, by the launch's ``DUE``
+    (``launch.EVERY_SLOT`` 0, ``NOT_DUE`` 1, ``DUE_ONLY`` 2): batch row c (with NOT_DUE inactive
+    where its slot is due, left to a DUE_ONLY launch), or the slot due of rank c + it n (n the
+    grid's extent there, ``count`` = due[0]; inactive past the last)."""
+    if DUE == 2:
+        r = c + it * tl.num_programs(2)
+        pid_b, row, h = due_slot(due_ptr, slots_ptr, cursors_ptr, tl.minimum(r, count - 1))
+        return r < count, pid_b, True, row, h, True
+    else:
+        valid, row = slot_row(slots_ptr, c, SCRATCH)
+        h, need = step_cursor(cursors_ptr, c, valid, T, L)
+        return (need == 0) if DUE == 1 else True, c, valid, row, h, need
+
+
+@triton.jit
 def slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T: tl.constexpr, L: tl.constexpr):
     """(valid, storage row, committed count h, refresh due) of batch row ``pid_b``."""
     valid, row = slot_row(slots_ptr, pid_b, SCRATCH)

@@ -42,8 +42,8 @@ from .._triton import launch
 from .._triton.launch import after_previous_launch
 from .._triton.solve import unit_lower_inverse
 from .._triton.decay import segment_along, softplus
-from .._triton.window import (ancestor_loads, ancestor_masks, draft_view, due_slot, list_due, slot_cursor, slot_row,
-                              step_cursor, window_keys, window_scalars)
+from .._triton.window import (ancestor_loads, ancestor_masks, draft_view, due_slot, list_due, slot_cursor, step_item,
+                              window_keys, window_scalars)
 from .._triton.formats import (column, load_query, load_read, load_tile, matvec, pin_vector_width,
                                products_on_tensor_cores, read_copy_from_anchor, streamed_products, within,
                                write_checkpoint)
@@ -408,16 +408,8 @@ def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, de
     pid_v, head, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     count = tl.load(due_ptr) if DUE == 2 else 0
     for it in tl.range(0, ROUNDS, num_stages=1):  # a constant trip count: the interpreter needs one
-        if DUE == 2:
-            r = c + it * tl.num_programs(2)
-            active = r < count
-            pid_b, row, h = due_slot(due_ptr, slots_ptr, cursors_ptr, tl.minimum(r, count - 1))
-            valid, need = True, True
-        else:
-            pid_b = c
-            valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
-            h, need = step_cursor(cursors_ptr, pid_b, valid, T, L)
-            active = (need == 0) if DUE == 1 else True
+        active, pid_b, valid, row, h, need = step_item(due_ptr, slots_ptr, cursors_ptr, c, it, count, SCRATCH, T, L,
+                                                       DUE)
         if active:
             _gdn_step_program(
                 pid_v, head, pid_b, valid, row, h, need, slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,

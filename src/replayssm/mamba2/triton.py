@@ -30,8 +30,8 @@ import triton.language as tl
 from .._triton import launch
 from .._triton.launch import after_previous_launch
 from .._triton.decay import segment_along, softplus
-from .._triton.window import (ancestor_loads, ancestor_masks, draft_view, due_slot, list_due, slot_cursor, slot_row,
-                              step_cursor, window_rows, window_scalars)
+from .._triton.window import (ancestor_loads, ancestor_masks, draft_view, due_slot, list_due, slot_cursor, step_item,
+                              window_rows, window_scalars)
 from .._triton.formats import (load_query, load_read, load_tile, matvec, pin_vector_width, read_copy_from_anchor,
                                within, write_checkpoint)
 
@@ -180,25 +180,18 @@ def _token_loads(x_ptr, sxb, sxt, sxh, sxe, C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD
 
 
 @triton.jit
-def _mamba2_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_ptr, fold_decay_ptr, av_ptr, as_ptr,
-                        ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, x_ptr, sxb: tl.constexpr,
-                        sxt: tl.constexpr, sxh: tl.constexpr, sxe: tl.constexpr, dt_ptr, la_ptr, C_ptr,
-                        sCb: tl.constexpr, sCt: tl.constexpr, sCh: tl.constexpr, sCe: tl.constexpr, D_ptr,
-                        sD: tl.constexpr, z_ptr, szb: tl.constexpr, szt: tl.constexpr, szh: tl.constexpr,
-                        sze: tl.constexpr, scores_ptr, anc_ptr, y_ptr, SCRATCH, H, G, T: tl.constexpr, L: tl.constexpr,
-                        LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr,
-                        FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
-                        R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, HAS_D: tl.constexpr,
-                        HAS_Z: tl.constexpr, PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr,
-                        READ_AFTER: tl.constexpr, TREE: tl.constexpr, PDL: tl.constexpr):
-    """TREE: draft s sees the committed entries and its ancestors only (``anc`` [b, T], the
-    scores launch's bitmasks), its decays summed along that path; else a chain. The caller's x, C,
-    D, z are read through their strides; dt and la are the scores launch's, contiguous."""
-    after_previous_launch(PDL)
-    # row blocks vary fastest: programs running side by side stream one slot's contiguous state
-    pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
-    h, need = step_cursor(cursors_ptr, pid_b, valid, T, L)
+def _mamba2_step_program(
+        pid_v, head, pid_b, valid, row, h, need,
+        tokens_ptr, seeds_ptr, fold_w_ptr, fold_decay_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
+        bx_ptr, bdt_ptr, bla_ptr, bB_ptr, x_ptr, sxb, sxt, sxh, sxe, dt_ptr, la_ptr, C_ptr, sCb, sCt, sCh, sCe,
+        D_ptr, sD, z_ptr, szb, szt, szh, sze, scores_ptr, anc_ptr, y_ptr, H, G,
+        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
+        BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
+        R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+        PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr,
+        TREE: tl.constexpr):
+    """Rows pid_v BV .. (pid_v + 1) BV of ``head`` of batch row ``pid_b`` (storage row ``row``, h
+    committed entries, ``need``: due to refresh, folded here first when REFRESH)."""
     group = head // (H // G)
     mat = row * H + head
     gidx = mat * (DV // BV) + pid_v  # NVFP4 global-scale block of these rows
@@ -244,6 +237,40 @@ def _mamba2_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_pt
              mask=new[:, None])
 
 
+@triton.jit
+def _mamba2_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_ptr, fold_decay_ptr, av_ptr, as_ptr,
+                        ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, x_ptr, sxb: tl.constexpr,
+                        sxt: tl.constexpr, sxh: tl.constexpr, sxe: tl.constexpr, dt_ptr, la_ptr, C_ptr,
+                        sCb: tl.constexpr, sCt: tl.constexpr, sCh: tl.constexpr, sCe: tl.constexpr, D_ptr,
+                        sD: tl.constexpr, z_ptr, szb: tl.constexpr, szt: tl.constexpr, szh: tl.constexpr,
+                        sze: tl.constexpr, scores_ptr, anc_ptr, y_ptr, due_ptr, SCRATCH, H, G, T: tl.constexpr,
+                        L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
+                        BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr,
+                        A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr,
+                        HAS_D: tl.constexpr, HAS_Z: tl.constexpr, PIN: tl.constexpr, REFRESH: tl.constexpr,
+                        STAGES: tl.constexpr, READ_AFTER: tl.constexpr, TREE: tl.constexpr, DUE: tl.constexpr,
+                        ROUNDS: tl.constexpr, PDL: tl.constexpr):
+    """Program (v, head, c), c a batch row or, with DUE = ``launch.DUE_ONLY``, the slots due of
+    ranks c, c + n, ... (``window.step_item``). TREE: draft s sees the committed entries and its
+    ancestors only (``anc`` [b, T], the scores launch's bitmasks), its decays summed along that
+    path; else a chain. The caller's x, C, D, z are read through their strides; dt and la are the
+    scores launch's, contiguous."""
+    after_previous_launch(PDL)
+    # row blocks vary fastest: programs running side by side stream one slot's contiguous state
+    pid_v, head, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    count = tl.load(due_ptr) if DUE == 2 else 0
+    for it in tl.range(0, ROUNDS, num_stages=1):  # a constant trip count: the interpreter needs one
+        active, pid_b, valid, row, h, need = step_item(due_ptr, slots_ptr, cursors_ptr, c, it, count, SCRATCH, T, L,
+                                                       DUE)
+        if active:
+            _mamba2_step_program(
+                pid_v, head, pid_b, valid, row, h, need, tokens_ptr, seeds_ptr, fold_w_ptr, fold_decay_ptr, av_ptr,
+                as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, x_ptr, sxb, sxt, sxh, sxe,
+                dt_ptr, la_ptr, C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD, z_ptr, szb, szt, szh, sze, scores_ptr, anc_ptr,
+                y_ptr, H, G, T, L, LP, DV, DK, DKP, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, HAS_D, HAS_Z, PIN,
+                REFRESH, STAGES, READ_AFTER, TREE)
+
+
 def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit: bool, y, parents=None):
     """One Mamba-2 decode (T = 1) or verify step on the Triton backend.
 
@@ -267,7 +294,8 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     cursors = torch.empty(b, dtype=cache.committed.dtype, device=dev)
     dt_in, dt = dt, torch.empty(b, T, H, dtype=torch.float32, device=dev)
     log_alpha = torch.empty_like(dt)
-    due = torch.empty(b + 1 if shape.split else 1, dtype=torch.int32, device=dev)
+    listed = shape.split or shape.beside  # a launch over the slots due reads their list
+    due = torch.empty(b + 1 if listed else 1, dtype=torch.int32, device=dev)
     anc = cursors if parents is None else torch.empty(b, T, dtype=torch.int32, device=dev)
     tree = dict(parents=cursors if parents is None else parents.contiguous(), anc=anc, TREE=parents is not None)
     launch.run(_mamba2_scores_kernel, (b, G), slots, cache.committed, cursors, buf["B"], buf["dt"], buf["log_alpha"],
@@ -276,24 +304,35 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
                log_alpha, due, tree["parents"], anc, cache.draft_gaps, cache.scratch_row, b, H, G, T=T, L=cache.window,
                LP=LP, DK=N, DKP=DKP,
                HG=triton.next_power_of_2(H // G), HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
-               TREE=tree["TREE"], MAXD=cache.max_draft, **launch.due_scan(b, shape.split))
+               TREE=tree["TREE"], MAXD=cache.max_draft, **launch.due_scan(b, listed))
     FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "mamba2")
     read_after = launch.read_copy_after_fold(cache)
-    if shape.split:
-        launch.run(_mamba2_refresh_kernel, (P // FR, H, launch.refresh_grid(b, T, cache.window)[0]), slots, cursors,
-                   cache.tokens, cache.seeds, fold_w, fold_decay, *anchor, *read, buf["x"], buf["B"], due, H, G, T=T,
-                   L=cache.window, LP=LP, DV=P, DK=N, DKP=DKP, FR=FR, KC=KC, STAGES=shape.stages, READ_AFTER=read_after,
-                   ROUNDS=launch.refresh_grid(b, T, cache.window)[1], num_warps=shape.refresh_warps, **consts)
+    programs, rounds = launch.refresh_grid(b, T, cache.window)
+    refresh = ((P // FR, H, programs), slots, cursors, cache.tokens, cache.seeds, fold_w, fold_decay, *anchor, *read,
+               buf["x"], buf["B"], due, H, G)
+    refresh_consts = dict(T=T, L=cache.window, LP=LP, DV=P, DK=N, DKP=DKP, FR=FR, KC=KC, STAGES=shape.stages,
+                          READ_AFTER=read_after, ROUNDS=rounds, num_warps=shape.refresh_warps, **consts)
+    step_args = (slots, cursors, cache.tokens, cache.seeds, fold_w, fold_decay, *anchor, *read,
+                 buf["x"], buf["dt"], buf["log_alpha"], buf["B"],
+                 x, *strides(x), dt, log_alpha, C, *strides(C), x if D is None else D, launch.head_stride(D),
+                 x if z is None else z, *strides(x if z is None else z), scores, anc, y, due, cache.scratch_row, H, G)
+    step_consts = dict(T=T, L=cache.window, LP=LP, DV=P, DK=N, DKP=DKP, BV=shape.rows, FR=FR, KC=KC,
+                       HAS_D=D is not None, HAS_Z=z is not None, PIN=shape.pin, STAGES=shape.stages,
+                       READ_AFTER=read_after, TREE=tree["TREE"], num_warps=shape.warps, **consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
-    launch.run(
-        _mamba2_step_kernel, (P // shape.rows, H, b),
-        slots, cursors, cache.tokens, cache.seeds, fold_w, fold_decay, *anchor, *read,
-        buf["x"], buf["dt"], buf["log_alpha"], buf["B"],
-        x, *strides(x), dt, log_alpha, C, *strides(C), x if D is None else D, launch.head_stride(D),
-        x if z is None else z, *strides(x if z is None else z), scores, anc, y,
-        cache.scratch_row, H, G,
-        T=T, L=cache.window, LP=LP, DV=P, DK=N, DKP=DKP, BV=shape.rows, FR=FR, KC=KC, HAS_D=D is not None,
-        HAS_Z=z is not None, PIN=shape.pin, REFRESH=not shape.split, STAGES=shape.stages, READ_AFTER=read_after,
-        TREE=tree["TREE"], num_warps=shape.warps, **extra, **consts)
+    if shape.beside:  # the slots due on a side stream, beside the other slots' step
+        with launch.side_stream(dev):
+            if shape.split:
+                launch.run(_mamba2_refresh_kernel, *refresh, **refresh_consts)
+            launch.run(_mamba2_step_kernel, (P // shape.rows, H, programs), *step_args, REFRESH=not shape.split,
+                       DUE=launch.DUE_ONLY, ROUNDS=rounds, **step_consts)
+        launch.run(_mamba2_step_kernel, (P // shape.rows, H, b), *step_args, REFRESH=False, DUE=launch.NOT_DUE,
+                   ROUNDS=1, **extra, **step_consts)
+        launch.join_side_stream(dev)
+    else:
+        if shape.split:
+            launch.run(_mamba2_refresh_kernel, *refresh, **refresh_consts)
+        launch.run(_mamba2_step_kernel, (P // shape.rows, H, b), *step_args, REFRESH=not shape.split,
+                   DUE=launch.EVERY_SLOT, ROUNDS=1, **extra, **step_consts)
     launch.advance(cache, slots, T, commit, {"dt": dt, "log_alpha": log_alpha, "B": B})
     return y
