@@ -375,6 +375,9 @@ def test_step_shapes_follow_the_policy():
     assert launch.step_shape(wide, "gdn", 1, batch=16).beside and launch.step_shape(wide, "gdn", 4, batch=4).beside
     assert not launch.step_shape(wide, "gdn", 4, batch=4).split
     assert not launch.step_shape(rs.Mamba2Cache(1, 2, 64, 128), "mamba2", 1, batch=32).beside
+    m8 = rs.Mamba2Cache(1, 2, 64, 128, precision="tp8_hi32")  # Mamba-2 fp8: beside, after a refresh launch
+    assert launch.step_shape(m8, "mamba2", 1).beside and launch.step_shape(m8, "mamba2", 1).split
+    assert not launch.step_shape(m8, "mamba2", 4).beside
     kda = rs.KDACache(1, 1, 2, 32, 128, precision="s32_rs")  # KDA: no side stream, a refresh launch
     assert launch.step_shape(kda, "kda", 1).split and not launch.step_shape(kda, "kda", 1).beside
     assert not launch.step_shape(kda, "kda", 1, batch=32).beside

@@ -20,10 +20,12 @@ A step is three launches (GDN: four) with no host synchronization and no PyTorch
    It must follow launch 2 because a refreshing slot writes its new tokens at positions 0..T-1,
    which other programs of launch 2 are still folding.
 
-Where the policy says so (``StepShape.beside``: GDN decode from fp32 and 2-byte read copies), the
-slots due run on a side stream (``side_stream``): their solve, then a step launch over them only
-whose programs refresh first (``DUE_ONLY``), beside the step launch over the others (``NOT_DUE``);
-the current stream waits for both before ``advance_kernel``.
+Where the policy says so (``StepShape.beside``: GDN decode from fp32 and 2-byte read copies, GDN
+steps below batch 64 that expect a slot due, Mamba-2 decode from 2-byte and fp8 read copies), the
+slots due run on a side stream (``side_stream``): GDN's solve, a refresh launch where the shape
+splits it, then a step launch over them only (``DUE_ONLY``; its programs refresh first where the
+refresh is a branch), beside the step launch over the others (``NOT_DUE``); the current stream
+waits for both before ``advance_kernel``.
 
 Every launch goes through ``run``; at small batches (``programmatic``) each one is scheduled while
 the one before it drains, and waits for it before its first memory access (``after_previous_launch``).
@@ -410,6 +412,11 @@ class StepShape(NamedTuple):
 #:   slower or no faster, so not taken: decode tp8_hi32 296.2 / 301.3 (292.2), verify of T = 4
 #:   s32_rs 803.9 (808.1), tp16_hi32 786.3 (788.3); the launch over the slots due with 2 or 4 warps
 #:   (s32_rs 388.5, 448.2) or 2 fold stages (370.5). bf16 read copies take fp16's choice (not timed).
+#: - Mamba-2's slots due beside the others (2026-12, batch 256): decode tp8_hi32 188.8 after their
+#:   refresh launch (198.7), tp16_hi32 220.0 each refresh a branch (222.2; batch 64 65.7 against 68.0);
+#:   slower, so not taken: s32_rs 325.0 / 330.7 (303.4; every slot refreshing 814.8 / 1022.0 against
+#:   718.9), verify of T = 4 s32_rs 667.1 / 671.6 (639.3), tp16_hi32 600.1 / 581.6 (568.0), tp8_hi32
+#:   668.8 / 594.2 (594.0); below batch 64 s32_rs and batch 8 and 16 tp16_hi32 (``SIDE_STREAM_ARCHS``).
 #: - GDN verify of T = 4 from fp32 takes a 168-register cap: reading the inputs through their
 #:   strides took the step kernel from 168 registers to 185 (10 warps per SM instead of 12; 831.2
 #:   against 809.5 us per round in the same-run comparisons at 7df5b4e and 6a14c21); capped, it
@@ -432,9 +439,9 @@ _VERIFY_DOT = dict(output_dot=True, stream=3)
 _BESIDE = dict(split=False, beside=True)  # the slots due beside the others, each refresh a branch of its step
 SHAPES = {
     ("mamba2", "fp32"): ((1, dict(split=False, stages=2)), (2, dict(pin=16))),
-    ("mamba2", "fp16"): ((1, dict(pin=16, split=False, stages=2, maxnreg=168)), (2, dict(pin=16))),
-    ("mamba2", "bf16"): ((1, dict(pin=16, split=False, stages=2, maxnreg=168)), (2, dict(pin=16))),
-    ("mamba2", "fp8_e4m3"): ((1, {}),),
+    ("mamba2", "fp16"): ((1, dict(pin=16, split=False, stages=2, maxnreg=168, beside=True)), (2, dict(pin=16))),
+    ("mamba2", "bf16"): ((1, dict(pin=16, split=False, stages=2, maxnreg=168, beside=True)), (2, dict(pin=16))),
+    ("mamba2", "fp8_e4m3"): ((1, dict(beside=True)), (2, {})),
     ("mamba2", "nvfp4"): ((1, dict(warps=4, refresh_warps=4)),),
     ("gdn", "fp32"): ((1, dict(pin=16, refresh_maxnreg=128, **_BESIDE)),
                       (4, dict(refresh_maxnreg=128, maxnreg=168, **_VERIFY_DOT))),
@@ -472,7 +479,7 @@ SPLIT_MIN_BATCH = 64
 #: in order -> beside: batch 32 decode 73.7 -> 58.3, tp16_hi32 64.5 -> 50.3, tp8_hi32 66.8 -> 47.6;
 #: verify of T = 4 138.0 -> 131.3; batch 16 decode 57.7 -> 52.5, verify 97.8 -> 85.3; batch 8 verify
 #: 75.7 -> 67.5, but decode 29.5 -> 32.7, batch 1 decode 8.2 -> 9.0: no slot due in most steps).
-SIDE_STREAM_ARCHS = ("gdn",)
+SIDE_STREAM_ARCHS = ("gdn",)  # Mamba-2's slots due beside at batch 8-32 ran slower (s32_rs 30.2 -> 33.4 at 16)
 
 
 def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> StepShape:

@@ -3,7 +3,10 @@
 A step is three launches (``_triton/launch.py``): ``_mamba2_scores_kernel`` (the input
 preparation dt = softplus(dt + dt_bias), A dt; B_j . C_s over the window; for slots whose window
 is full, the fold weights), ``_mamba2_step_kernel`` (one program per block of state rows, head and
-batch row) and ``launch.advance`` (shared buffer fields and cursors).
+batch row) and ``launch.advance`` (shared buffer fields and cursors). Where the launch policy puts
+the slots due beside the others (``launch.StepShape.beside``), a step launch over them only runs on
+a side stream beside the step launch over the other slots (after their refresh launch, where the
+shape splits it).
 
 A program whose slot's committed history plus the T new tokens overflows the window first folds
 the committed entries into a new checkpoint from the anchor,
