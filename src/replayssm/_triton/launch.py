@@ -284,6 +284,27 @@ def join_side_stream(device):
         torch.cuda.current_stream(device).wait_stream(_side_stream(device))
 
 
+def step_launches(kernel, tile, b, shape, programs, rounds, args, consts, extra, due_work=()):
+    """The step launches of ``shape`` over b batch rows: ``due_work`` first ((kernel, grid, args,
+    constexprs) launches the slots due need before their step: GDN's solve, a refresh launch), then
+    ``kernel`` over grid tile + (b,) with REFRESH where the refresh is a branch; with ``beside``,
+    the due work and a DUE_ONLY launch over tile + (programs,) (``rounds`` ranks per program,
+    ``refresh_grid``) on the side stream, beside a NOT_DUE launch. ``extra``: options of the launch
+    over every slot only (its register cap)."""
+    dev = args[0].device
+    if shape.beside:
+        with side_stream(dev):
+            for k, grid, a, c in due_work:
+                run(k, grid, *a, **c)
+            run(kernel, (*tile, programs), *args, REFRESH=not shape.split, DUE=DUE_ONLY, ROUNDS=rounds, **consts)
+        run(kernel, (*tile, b), *args, REFRESH=False, DUE=NOT_DUE, ROUNDS=1, **extra, **consts)
+        join_side_stream(dev)
+    else:
+        for k, grid, a, c in due_work:
+            run(k, grid, *a, **c)
+        run(kernel, (*tile, b), *args, REFRESH=not shape.split, DUE=EVERY_SLOT, ROUNDS=1, **extra, **consts)
+
+
 def token_strides(t) -> tuple[int, int, int, int]:
     """Strides (batch, token, head, element), in elements, of a [b, T, heads, width] input, or of
     a [b, T, heads] one seen as width 1: how every kernel indexes a caller's per-token tensor, so

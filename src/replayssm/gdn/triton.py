@@ -465,12 +465,12 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
                RP=triton.next_power_of_2(HV // HK), TREE=parents is not None, MAXD=cache.max_draft,
                **launch.due_scan(b, True))
     programs, rounds = launch.refresh_grid(b, T, cache.window)
-    solve = ((HK, programs), slots, cursors, due, buf["k"], buf["g"], buf["beta"], tinv, decays, HK, HV)
+    solve = (slots, cursors, due, buf["k"], buf["g"], buf["beta"], tinv, decays, HK, HV)
     solve_consts = dict(L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, RP=triton.next_power_of_2(HV // HK),
                         SQUARINGS=LP.bit_length() - 2, ROUNDS=rounds, num_warps=SOLVE_WARPS)
     FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "gdn")
     read_after = launch.read_copy_after_fold(cache)
-    refresh_args = ((V // FR, HV, programs), slots, cursors, cache.tokens, cache.seeds, tinv, decays, *anchor, *read,
+    refresh_args = (slots, cursors, cache.tokens, cache.seeds, tinv, decays, *anchor, *read,
                     buf["k"], buf["v"], buf["beta"], due, HV, HK)
     refresh_consts = dict(T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, FR=FR, KC=KC, STAGES=shape.stages,
                           READ_AFTER=read_after, ROUNDS=rounds, num_warps=shape.refresh_warps, **consts,
@@ -484,21 +484,10 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
                        PIN=shape.pin, STAGES=shape.stages, READ_AFTER=read_after, TREE=parents is not None,
                        num_warps=shape.warps, **consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
-    if shape.beside:  # the slots due on a side stream, beside the other slots' step
-        with launch.side_stream(dev):
-            launch.run(_gdn_solve_kernel, *solve, **solve_consts)
-            if shape.split:
-                launch.run(_gdn_refresh_kernel, *refresh_args, **refresh_consts)
-            launch.run(_gdn_step_kernel, (V // shape.rows, HV, programs), *step_args, REFRESH=not shape.split,
-                       DUE=launch.DUE_ONLY, ROUNDS=rounds, **step_consts)
-        launch.run(_gdn_step_kernel, (V // shape.rows, HV, b), *step_args, REFRESH=False, DUE=launch.NOT_DUE,
-                   ROUNDS=1, **extra, **step_consts)
-        launch.join_side_stream(dev)
-    else:
-        launch.run(_gdn_solve_kernel, *solve, **solve_consts)
-        if shape.split:
-            launch.run(_gdn_refresh_kernel, *refresh_args, **refresh_consts)
-        launch.run(_gdn_step_kernel, (V // shape.rows, HV, b), *step_args, REFRESH=not shape.split,
-                   DUE=launch.EVERY_SLOT, ROUNDS=1, **extra, **step_consts)
+    due_work = [(_gdn_solve_kernel, (HK, programs), solve, solve_consts)]
+    if shape.split:
+        due_work.append((_gdn_refresh_kernel, (V // FR, HV, programs), refresh_args, refresh_consts))
+    launch.step_launches(_gdn_step_kernel, (V // shape.rows, HV), b, shape, programs, rounds, step_args, step_consts,
+                         extra, due_work)
     launch.advance(cache, slots, T, commit, {"k": kn, "g": g, "beta": beta})
     return o

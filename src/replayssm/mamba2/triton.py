@@ -311,7 +311,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "mamba2")
     read_after = launch.read_copy_after_fold(cache)
     programs, rounds = launch.refresh_grid(b, T, cache.window)
-    refresh = ((P // FR, H, programs), slots, cursors, cache.tokens, cache.seeds, fold_w, fold_decay, *anchor, *read,
+    refresh = (slots, cursors, cache.tokens, cache.seeds, fold_w, fold_decay, *anchor, *read,
                buf["x"], buf["B"], due, H, G)
     refresh_consts = dict(T=T, L=cache.window, LP=LP, DV=P, DK=N, DKP=DKP, FR=FR, KC=KC, STAGES=shape.stages,
                           READ_AFTER=read_after, ROUNDS=rounds, num_warps=shape.refresh_warps, **consts)
@@ -323,19 +323,8 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
                        HAS_D=D is not None, HAS_Z=z is not None, PIN=shape.pin, STAGES=shape.stages,
                        READ_AFTER=read_after, TREE=tree["TREE"], num_warps=shape.warps, **consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
-    if shape.beside:  # the slots due on a side stream, beside the other slots' step
-        with launch.side_stream(dev):
-            if shape.split:
-                launch.run(_mamba2_refresh_kernel, *refresh, **refresh_consts)
-            launch.run(_mamba2_step_kernel, (P // shape.rows, H, programs), *step_args, REFRESH=not shape.split,
-                       DUE=launch.DUE_ONLY, ROUNDS=rounds, **step_consts)
-        launch.run(_mamba2_step_kernel, (P // shape.rows, H, b), *step_args, REFRESH=False, DUE=launch.NOT_DUE,
-                   ROUNDS=1, **extra, **step_consts)
-        launch.join_side_stream(dev)
-    else:
-        if shape.split:
-            launch.run(_mamba2_refresh_kernel, *refresh, **refresh_consts)
-        launch.run(_mamba2_step_kernel, (P // shape.rows, H, b), *step_args, REFRESH=not shape.split,
-                   DUE=launch.EVERY_SLOT, ROUNDS=1, **extra, **step_consts)
+    due_work = [(_mamba2_refresh_kernel, (P // FR, H, programs), refresh, refresh_consts)] if shape.split else []
+    launch.step_launches(_mamba2_step_kernel, (P // shape.rows, H), b, shape, programs, rounds, step_args,
+                         step_consts, extra, due_work)
     launch.advance(cache, slots, T, commit, {"dt": dt, "log_alpha": log_alpha, "B": B})
     return y
