@@ -135,10 +135,10 @@ def chain_bits(parents_ptr, pid_b, valid, T: tl.constexpr):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_kernel_mask_that_lets_siblings_see_each_other_is_detected(arch, monkeypatch):
     """Ancestor masks of the draft order (every earlier draft, siblings included) in place of the
-    tree's: the outputs of a flat tree's drafts after the first are wrong. (KDA's scores launch,
-    where all of its tree is applied, takes the masks in registers: ``ancestor_bits``.)"""
+    tree's: the outputs of a flat tree's drafts after the first are wrong. (The GDN and KDA scores
+    launches, where all of their tree is applied, take the masks in registers: ``ancestor_bits``.)"""
     kernels = importlib.import_module(f"replayssm.{arch}.triton")
-    if arch == "kda":
+    if arch in ("gdn", "kda"):
         monkeypatch.setattr(kernels, "ancestor_bits", chain_bits)
     else:
         monkeypatch.setattr(kernels, "ancestor_masks", chain_masks)

@@ -450,6 +450,10 @@ class StepShape(NamedTuple):
 #:   registers the row-reduction kernels run 8 warps per SM, and every way found to run more costs
 #:   more than it gains.
 #:
+#: - GDN decode from fp16 read copies pins 16 elements per thread, as fp32 and bf16 do (2026-12, once
+#:   the decays moved into the scores launch: 314.5 against 325.0 us with 8; the step kernel then
+#:   took 254 registers with 8).
+#:
 #: One warp per 32 rows keeps row reductions inside a warp; NVFP4 takes 4 warps (one cannot hide
 #: its nibble decoding). GDN verify steps of T >= 4 run their read-copy products on tensor cores,
 #: streamed. The pin: Triton loads an fp32 tile 4 elements per thread and an fp16 tile 8, spreading
@@ -466,7 +470,7 @@ SHAPES = {
     ("mamba2", "nvfp4"): ((1, dict(warps=4, refresh_warps=4)),),
     ("gdn", "fp32"): ((1, dict(pin=16, refresh_maxnreg=128, **_BESIDE)),
                       (4, dict(refresh_maxnreg=128, maxnreg=168, **_VERIFY_DOT))),
-    ("gdn", "fp16"): ((1, dict(pin=8, refresh_maxnreg=168, **_BESIDE)), (4, dict(refresh_maxnreg=168, **_VERIFY_DOT))),
+    ("gdn", "fp16"): ((1, dict(pin=16, refresh_maxnreg=168, **_BESIDE)), (4, dict(refresh_maxnreg=168, **_VERIFY_DOT))),
     ("gdn", "bf16"): ((1, dict(pin=16, refresh_maxnreg=168, **_BESIDE)), (4, dict(refresh_maxnreg=168, **_VERIFY_DOT))),
     ("gdn", "fp8_e4m3"): ((1, dict(refresh_maxnreg=128)),
                           (4, dict(refresh_maxnreg=128, beside=True, **_VERIFY_DOT))),

@@ -2,7 +2,8 @@
 
 A step is four launches (``_triton/launch.py``): ``_gdn_scores_kernel`` (the input preparation
 — L2 norms, query scale, fp32 casts — and k_j . q_s, k_j . k_s over the window, once per batch row
-and key head; the list of slots due to refresh), ``_gdn_solve_kernel`` (for the slots due only:
+and key head, times each value head's decays into the step's weights; the list of slots due to
+refresh), ``_gdn_solve_kernel`` (for the slots due only:
 the decays and the inverse of the residual system), ``_gdn_step_kernel`` (one program per block
 of state rows, value head and batch row; GDN's residuals are separable over state rows) and
 ``launch.advance`` (shared buffer fields k, g, beta and the cursors). Where the launch policy puts the slots due beside the others
@@ -28,9 +29,11 @@ the cached read-path residuals of committed entries:
     u_s = beta_s (v_s - gamma_t S_read k_s - sum_{j < t} gamma_{j+1:t} (k_j . k_s) u_j)
     o_s = gamma_t S_read q_s + sum_{j <= t} gamma_{j+1:t} (k_j . q_s) u_j,   t = h + s
 
-— no per-token [V, K] state anywhere. The new tokens' v and u rows are stored here. For a draft
-tree the sums over j < t and j <= t run over the committed entries and draft s's ancestors only
-(the scores launch's bitmasks, ``window.ancestor_masks``), so u_s is the residual of its own chain.
+— no per-token [V, K] state anywhere. The weights gamma_{j+1:t} (k_j . k_s), gamma_{j+1:t}
+(k_j . q_s) and gamma_t come from the scores launch, once per value head for all its step
+programs. The new tokens' v and u rows are stored here. For a draft tree the sums over j < t and
+j <= t run over the committed entries and draft s's ancestors only (the weights are zero
+elsewhere and the decays run along the draft's path), so u_s is the residual of its own chain.
 """
 from __future__ import annotations
 
@@ -41,9 +44,9 @@ import triton.language as tl
 from .._triton import launch
 from .._triton.launch import after_previous_launch
 from .._triton.solve import unit_lower_inverse
-from .._triton.decay import segment_along, softplus
-from .._triton.window import (ancestor_loads, ancestor_masks, draft_view, due_slot, list_due, slot_cursor, step_item,
-                              window_keys, window_scalars)
+from .._triton.decay import softplus
+from .._triton.window import (ancestor_bits, ancestor_masks, draft_bits, draft_view, due_slot, list_due, slot_cursor,
+                              step_item, window_keys)
 from .._triton.formats import (column, load_query, load_read, load_tile, matvec, pin_vector_width,
                                products_on_tensor_cores, read_copy_from_anchor, streamed_products, within,
                                write_checkpoint)
@@ -85,23 +88,29 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, skb
                        sqh: tl.constexpr, sqe: tl.constexpr, kn_ptr, qn_ptr, scores_ptr, a_ptr, sab: tl.constexpr,
                        sat: tl.constexpr, sah: tl.constexpr, b_ptr, sbb: tl.constexpr, sbt: tl.constexpr,
                        sbh: tl.constexpr, alog_ptr, s_alog: tl.constexpr, dtb_ptr, s_dtb: tl.constexpr, gn_ptr,
-                       betan_ptr, due_ptr, parents_ptr, anc_ptr, gaps_ptr, scale, SCRATCH, B, HK, HV, T: tl.constexpr,
+                       betan_ptr, bg_ptr, g_ptr, sgb: tl.constexpr, sgt: tl.constexpr, sgh: tl.constexpr, gammas_ptr,
+                       due_ptr, parents_ptr, anc_ptr, gaps_ptr, scale, SCRATCH, B, HK, HV, T: tl.constexpr,
                        L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, RATIO: tl.constexpr,
                        NORM: tl.constexpr, GATE: tl.constexpr, HAS_DTB: tl.constexpr, RP: tl.constexpr,
                        DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, TREE: tl.constexpr, MAXD: tl.constexpr,
                        PDL: tl.constexpr):
     """Once per (batch row, key head): the T new keys and queries prepared in fp32 (L2-normalized
     when NORM, as flash-linear-attention's l2norm, queries times ``scale``) into kn, qn [b, T, HK, K]
-    for the other launches; the batch row's committed count into ``cursors`` [b]; then
-    scores[b, kh, 0, s, j] = k_j . q_s and scores[b, kh, 1, s, j] = k_j . k_s over the entries of
-    the window (committed + new). GATE: the new tokens' gates of the key head's value heads from the raw inputs, as
+    for the other launches; the batch row's committed count into ``cursors`` [b]; then, for each
+    value head vh of the key head, the step launch's weights over the entries j of the window
+    (committed + new): scores[b, vh, 0, s, j] = e^{g(j, t]} (k_j . q_s) for the entries draft s
+    sees (j <= t = h + s for a chain), scores[b, vh, 1, s, j] = e^{g(j, t]} (k_j . k_s) for those
+    before it, zero elsewhere, and gammas[b, vh, s] = e^{c_t}, the decay from the checkpoint to t:
+    the step launch's programs, several per value head, share them instead of each summing them.
+    GATE: the new tokens' gates of the key head's value heads from the raw inputs, as
     flash-linear-attention's gated delta rule takes them: g = -exp(A_log) softplus(a + dt_bias) and
-    beta = sigmoid(b) into gn, betan [b, T, HV] fp32 for the other launches. Program (0, 0) also
-    lists the slots due to refresh for the solve and refresh launches (``window.list_due``). TREE:
-    the batch row's draft tree, ``parents`` [b, T], as ancestor bitmasks into ``anc`` int32 [b, T]
-    for the step launch, and the slot's pending tree into ``cache.draft_gaps`` (``window.ancestor_masks``).
-    The caller's k, q, a, b, A_log and dt_bias are read through their strides (s*:
-    ``launch.token_strides``, ``launch.head_stride``)."""
+    beta = sigmoid(b) into gn, betan [b, T, HV] fp32 for the other launches (g is then gn). Program
+    (0, 0) also lists the slots due to refresh for the solve and refresh launches
+    (``window.list_due``). TREE: the batch row's draft tree, ``parents`` [b, T]: draft s's weights
+    and decay run along its own path (its ancestors, ``window.draft_view``), so the step launch
+    needs no tree of its own; the slot's pending tree goes into ``cache.draft_gaps``
+    (``window.ancestor_masks``). The caller's k, q, g, a, b, A_log and dt_bias are read through
+    their strides (s*: ``launch.token_strides``, ``launch.head_stride``)."""
     after_previous_launch(PDL)
     pid_b, khead = tl.program_id(0), tl.program_id(1)
     if (pid_b == 0) & (khead == 0):
@@ -110,6 +119,7 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, skb
     cols = within(ck, DK)
     vh = khead * RATIO + tl.arange(0, RP)  # the key head's value heads (``mine``: the real ones)
     mine = tl.arange(0, RP) < RATIO
+    gates = ()
     if GATE:
         decay_rate = tl.exp(tl.load(alog_ptr + vh * s_alog, mask=mine, other=0.0).to(tl.float32))
         for s in tl.static_range(T):
@@ -117,7 +127,8 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, skb
             x = tl.load(a_ptr + pid_b * sab + s * sat + vh * sah, mask=mine, other=0.0).to(tl.float32)
             if HAS_DTB:
                 x += tl.load(dtb_ptr + vh * s_dtb, mask=mine, other=0.0).to(tl.float32)
-            tl.store(gn_ptr + at, -decay_rate * softplus(x), mask=mine)
+            gates = gates + (-decay_rate * softplus(x),)
+            tl.store(gn_ptr + at, gates[s], mask=mine)
             beta = tl.load(b_ptr + pid_b * sbb + s * sbt + vh * sbh, mask=mine, other=0.0).to(tl.float32)
             tl.store(betan_ptr + at, tl.sigmoid(beta), mask=mine)
     valid, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
@@ -125,9 +136,13 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, skb
         tl.store(cursors_ptr + pid_b, h)
         if TREE:
             ancestor_masks(parents_ptr, anc_ptr, gaps_ptr, pid_b, valid, row, T, MAXD)
+    anc = ancestor_bits(parents_ptr, pid_b, valid, T) if TREE else 0
     j = tl.arange(0, LP)
     seen = tl.where(need, 0, h)  # committed entries the new tokens see: none after a refresh
     K_old = window_keys(bk_ptr, row, khead, seen, ck, HK, DK, L, LP)
+    # the key head's value heads' log decays over the window [RP, LP], and the same one entry on
+    G = _window_decays(bg_ptr, g_ptr, sgb, sgt, sgh, gates, row, pid_b, seen, j, vh, mine, HV, T, L, GATE)
+    G_next = _window_decays(bg_ptr, g_ptr, sgb, sgt, sgh, gates, row, pid_b, seen, j + 1, vh, mine, HV, T, L, GATE)
     # the new keys and queries, prepared in registers: the window's new entries are scored from
     # here, not read back from kn / qn
     keys, queries = (), ()
@@ -147,9 +162,38 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, skb
     for n in tl.static_range(T):
         K = tl.where((j == seen + n)[:, None], keys[n][None, :], K)
     for s in tl.static_range(T):
-        at = ((pid_b * HK + khead) * 2 * T + s) * LP
-        tl.store(scores_ptr + at + j, tl.sum(K * queries[s][None, :], 1))
-        tl.store(scores_ptr + at + T * LP + j, tl.sum(K * keys[s][None, :], 1))
+        t = seen + s
+        bits = draft_bits(anc, s, TREE)
+        path = draft_view(bits, seen, s, LP, TREE)  # j <= t for a chain
+        G_path = tl.where(path[None, :], G, 0.0)
+        # [RP, LP]: the log decay from entry j to t along the path, sum_{k > j} of its terms: a
+        # suffix sum of the window one entry on (whose path is the path one entry on), not a
+        # difference of sums
+        seg = tl.cumsum(tl.where(draft_view(bits, seen - 1, s, LP, TREE)[None, :], G_next, 0.0), 1, reverse=True)
+        decay = tl.exp(tl.where(path[None, :], seg, float("-inf")))  # masked before exp
+        to_q = decay * tl.sum(K * queries[s][None, :], 1)[None, :]
+        to_k = tl.where((j < t)[None, :], decay, 0.0) * tl.sum(K * keys[s][None, :], 1)[None, :]
+        at = ((pid_b * HV + vh) * 2 * T + s) * LP  # [RP]
+        tl.store(scores_ptr + at[:, None] + j[None, :], to_q, mask=mine[:, None])
+        tl.store(scores_ptr + at[:, None] + T * LP + j[None, :], to_k, mask=mine[:, None])
+        tl.store(gammas_ptr + (pid_b * HV + vh) * T + s, tl.exp(tl.sum(G_path, 1)), mask=mine)
+
+
+@triton.jit
+def _window_decays(bg_ptr, g_ptr, sgb, sgt, sgh, gates, row, pid_b, h, at, vh, mine, HV, T: tl.constexpr,
+                   L: tl.constexpr, GATE: tl.constexpr):
+    """[RP, LP] fp32 log decays of value heads ``vh`` at window positions ``at`` [LP]: committed
+    entries (at < h) from the buffer, the new ones from the caller's g (strides sg*) or, with GATE,
+    from ``gates`` (a tuple of [RP] by token); zero elsewhere."""
+    G = tl.load(bg_ptr + (row * L + at[None, :]) * HV + vh[:, None], mask=mine[:, None] & (at < h)[None, :],
+                other=0.0).to(tl.float32)
+    if GATE:
+        for s in tl.static_range(T):
+            G = tl.where((at == h + s)[None, :], gates[s][:, None], G)
+    else:
+        G += tl.load(g_ptr + pid_b * sgb + (at - h)[None, :] * sgt + vh[:, None] * sgh,
+                     mask=mine[:, None] & ((at >= h) & (at < h + T))[None, :], other=0.0).to(tl.float32)
+    return G
 
 
 @triton.jit
@@ -260,15 +304,13 @@ def _gdn_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
 
 
 @triton.jit
-def _window_loads(bg_ptr, bu_ptr, g_ptr, sgb, sgt, sgh, q_ptr, k_ptr, row, pid_b, head, khead, h, rv, HV, HK,
-                  T: tl.constexpr,
-                  L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
-                  OUTPUT_DOT: tl.constexpr, QP: tl.constexpr):
-    """What a step program reads of a window of h committed entries: (log decays g [LP], cached
-    residuals U [BV, LP], and with OUTPUT_DOT the step's keys and queries Q [QP, DKP] (zero from
-    column DK on), else 0). g [b, T, HV] of strides (sgb, sgt, sgh); q, k the prepared, contiguous ones."""
+def _window_loads(bu_ptr, q_ptr, k_ptr, row, pid_b, head, khead, h, rv, HV, HK, T: tl.constexpr, L: tl.constexpr,
+                  LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, OUTPUT_DOT: tl.constexpr,
+                  QP: tl.constexpr):
+    """What a step program reads of a window of h committed entries: (cached residuals U [BV, LP],
+    and with OUTPUT_DOT the step's keys and queries Q [QP, DKP] (zero from column DK on), else 0);
+    q, k the prepared, contiguous ones."""
     j = tl.arange(0, LP)
-    g = window_scalars(bg_ptr, g_ptr, sgb, sgt, sgh, row, pid_b, h, head, HV, T, L, LP)
     U = tl.load(bu_ptr + ((row * L + j[None, :]) * HV + head) * DV + rv[:, None], mask=(j < h)[None, :], other=0.0)
     Q = 0.0
     if OUTPUT_DOT:
@@ -277,7 +319,7 @@ def _window_loads(bg_ptr, bu_ptr, g_ptr, sgb, sgt, sgh, q_ptr, k_ptr, row, pid_b
         at = ((pid_b * T + r % T) * HK + khead) * DK + ck[None, :]
         m = (r < 2 * T) & within(ck, DK)[None, :]
         Q = tl.where(r < T, tl.load(k_ptr + at, mask=m, other=0.0), tl.load(q_ptr + at, mask=m, other=0.0))
-    return g, U, Q
+    return U, Q
 
 
 @triton.jit
@@ -285,14 +327,15 @@ def _token_loads(q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sb
                  khead, rv, HV, HK, T: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
                  DKP: tl.constexpr, R_FMT: tl.constexpr, OUTPUT_DOT: tl.constexpr):
     """The new tokens' inputs to a step program, all issued at once: a tuple indexed by s of (v_s
-    rounded to the buffer dtype [BV], beta_s, k_j . k_s [LP], k_j . q_s [LP], then k_s and q_s as
+    rounded to the buffer dtype [BV], beta_s, the scores launch's weights on the window for k_s [LP]
+    and for q_s [LP] (value head ``head`` of HV), then k_s and q_s (key head ``khead`` of HK) as
     ``load_query`` gives them, zeros with OUTPUT_DOT). v [b, T, HV, DV] and beta [b, T, HV] of
     strides sv*, sb*; q, k the prepared, contiguous ones [b, T, HK, DK]."""
     j = tl.arange(0, LP)
     tokens_in = ()
     for s in tl.static_range(T):
         tok_in = pid_b * T + s
-        base = ((pid_b * HK + khead) * 2 * T + s) * LP
+        base = ((pid_b * HV + head) * 2 * T + s) * LP
         ka, kb, qa, qb = 0.0, 0.0, 0.0, 0.0
         if not OUTPUT_DOT:
             ka, kb = load_query(k_ptr + (tok_in * HK + khead) * DK, 1, DK, DKP, R_FMT)
@@ -309,15 +352,13 @@ def _gdn_step_program(
         pid_v, head, pid_b, valid, row, h, need,
         slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, decays_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
-        bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, bu_ptr,
-        q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, g_ptr, sgb, sgt, sgh, beta_ptr, sbb, sbt, sbh, scores_ptr, anc_ptr,
-        o_ptr, HV, HK,
+        bk_ptr, bv_ptr, bbeta_ptr, bu_ptr,
+        q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr, gammas_ptr, o_ptr, HV, HK,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr,
         KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr, STREAM: tl.constexpr,
-        PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr,
-        TREE: tl.constexpr):
+        PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr):
     """Rows pid_v BV .. (pid_v + 1) BV of value head ``head`` of batch row ``pid_b`` (storage row
     ``row``, h committed entries, ``need``: due to refresh, folded here first when REFRESH)."""
     khead = head // (HV // HK)
@@ -340,11 +381,13 @@ def _gdn_step_program(
         ra, rb, rsc = 0.0, 0.0, 0.0
     else:
         ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, DKP, R_FMT)
-    g, U, Q = _window_loads(bg_ptr, bu_ptr, g_ptr, sgb, sgt, sgh, q_ptr, k_ptr, row, pid_b, head, khead, h, rv, HV,
-                            HK, T, L, LP, DV, DK, DKP, QLOAD, QP)
+    U, Q = _window_loads(bu_ptr, q_ptr, k_ptr, row, pid_b, head, khead, h, rv, HV, HK, T, L, LP, DV, DK, DKP, QLOAD,
+                         QP)
     tokens_in = _token_loads(q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr, bv_ptr,
                              pid_b, head, khead, rv, HV, HK, T, LP, DV, DK, DKP, R_FMT, OUTPUT_DOT)
-    ancestors = ancestor_loads(anc_ptr, pid_b, T, TREE)
+    gammas = ()
+    for s in tl.static_range(T):
+        gammas = gammas + (tl.load(gammas_ptr + (pid_b * HV + head) * T + s),)
     if PIN:
         pin_vector_width(rv_ptr, mat, rv, ck, h < 0, DV, DK, PIN)
     if OUTPUT_DOT:  # every S_read k_s and S_read q_s of the step in one product
@@ -358,27 +401,20 @@ def _gdn_step_program(
         t = h + s
         tok_in = pid_b * T + s
         tok_buf = row * L + t
-        v_s, beta_s, k_scores, q_scores, ka, kb, qa, qb = tokens_in[s]
-        seen = draft_view(ancestors[s], h, s, LP, TREE)  # j <= t for a chain; every sum below runs along it
-        c_t = tl.sum(tl.where(seen, g, 0.0), 0)  # log decay from the checkpoint to t
-        seg = segment_along(g, seen)  # log decay from entry j to t
+        v_s, beta_s, to_k, to_q, ka, kb, qa, qb = tokens_in[s]
         # residual u_s = beta_s (v_s - alpha_s S_{t-1} k_s), with S_{t-1} (the parent's state) never formed
-        prior = seen & (j < t)
-        before = tl.where(prior, tl.exp(tl.where(prior, seg, float("-inf"))), 0.0) * k_scores
         if OUTPUT_DOT:
             Sk_read = column(SQ, s)
         else:
             Sk_read = matvec(ra, rb, rsc, ka, kb, R_FMT)
-        Sk = tl.exp(c_t) * Sk_read + tl.sum(U * before[None, :], 1)
-        u_s = beta_s * (v_s.to(tl.float32) - Sk)
+        u_s = beta_s * (v_s.to(tl.float32) - gammas[s] * Sk_read - tl.sum(U * to_k[None, :], 1))
         U = tl.where(j[None, :] == t, u_s[:, None], U)
         # output o_s = S_t q_s = gamma_t S_read q_s + sum_{j <= t} gamma_{j+1:t} (k_j . q_s) u_j
         if OUTPUT_DOT:
             Sq_read = column(SQ, T + s)
         else:
             Sq_read = matvec(ra, rb, rsc, qa, qb, R_FMT)
-        upto = tl.where(seen, tl.exp(tl.where(seen, seg, float("-inf"))), 0.0) * q_scores
-        o = tl.exp(c_t) * Sq_read + tl.sum(U * upto[None, :], 1)
+        o = gammas[s] * Sq_read + tl.sum(U * to_q[None, :], 1)
         tl.store(o_ptr + (tok_in * HV + head) * DV + rv, tl.where(valid, o, 0.0).to(o_ptr.dtype.element_ty))
         tl.store(bv_ptr + (tok_buf * HV + head) * DV + rv, v_s)  # rows only this program reads
         tl.store(bu_ptr + (tok_buf * HV + head) * DV + rv, u_s)
@@ -386,23 +422,21 @@ def _gdn_step_program(
 
 @triton.jit
 def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, decays_ptr, av_ptr, as_ptr, ag_ptr,
-                     rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, bu_ptr, q_ptr, k_ptr, v_ptr,
-                     svb: tl.constexpr, svt: tl.constexpr, svh: tl.constexpr, sve: tl.constexpr, g_ptr,
-                     sgb: tl.constexpr, sgt: tl.constexpr, sgh: tl.constexpr, beta_ptr, sbb: tl.constexpr,
-                     sbt: tl.constexpr, sbh: tl.constexpr, scores_ptr, anc_ptr, o_ptr, due_ptr, SCRATCH, HV, HK,
-                     T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
-                     DKP: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr,
-                     A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr,
-                     OUTPUT_DOT: tl.constexpr, QP: tl.constexpr, STREAM: tl.constexpr, PIN: tl.constexpr,
-                     REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr, TREE: tl.constexpr,
+                     rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, bu_ptr, q_ptr, k_ptr, v_ptr,
+                     svb: tl.constexpr, svt: tl.constexpr, svh: tl.constexpr, sve: tl.constexpr, beta_ptr,
+                     sbb: tl.constexpr, sbt: tl.constexpr, sbh: tl.constexpr, scores_ptr, gammas_ptr, o_ptr, due_ptr,
+                     SCRATCH, HV, HK, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr,
+                     DK: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr,
+                     A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
+                     SHARED: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr, STREAM: tl.constexpr,
+                     PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr,
                      DUE: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
     """Program (v, head, c). DUE = ``launch.EVERY_SLOT``: c is the batch row; ``launch.NOT_DUE``:
     the same, but a slot due to refresh is left to a ``launch.DUE_ONLY`` launch; DUE_ONLY: c takes
     the slots due of ranks c, c + n, ... (``window.list_due``, n programs per tile), each refreshed
-    (REFRESH) and stepped. TREE: draft s sees the committed entries and its ancestors only (``anc``
-    [b, T], the scores launch's bitmasks): its decays are summed along that path and its residual
-    solves against its ancestors' residuals only; else a chain. v, g and beta (the caller's, or
-    the scores launch's gates) are read through their strides; q, k are the scores launch's."""
+    (REFRESH) and stepped. The decays of every draft, along its own path for a tree, are in the
+    scores launch's weights and gammas, so a tree's step is a chain's. v and beta (the caller's,
+    or the scores launch's gates) are read through their strides; q, k are the scores launch's."""
     after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -413,10 +447,10 @@ def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, de
         if active:
             _gdn_step_program(
                 pid_v, head, pid_b, valid, row, h, need, slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
-                decays_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bg_ptr, bbeta_ptr, bu_ptr,
-                q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, g_ptr, sgb, sgt, sgh, beta_ptr, sbb, sbt, sbh, scores_ptr,
-                anc_ptr, o_ptr, HV, HK, T, L, LP, DV, DK, DKP, BV, FR,
-                KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, OUTPUT_DOT, QP, STREAM, PIN, REFRESH, STAGES, READ_AFTER, TREE)
+                decays_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, bu_ptr, q_ptr,
+                k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr, gammas_ptr, o_ptr, HV, HK, T, L,
+                LP, DV, DK, DKP, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, OUTPUT_DOT, QP, STREAM, PIN, REFRESH,
+                STAGES, READ_AFTER)
 
 #: Warps of every solve launch (``_gdn_solve_kernel``): one shape for every preset and batch.
 SOLVE_WARPS = 4
@@ -449,7 +483,8 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     shape = launch.step_shape(cache, "gdn", T, b)
     buf = cache.buffer
     LP, DKP = launch.window_pad(cache), launch.column_pad(cache)
-    scores = torch.empty(b, HK, 2, T, LP, dtype=torch.float32, device=dev)
+    scores = torch.empty(b, HV, 2, T, LP, dtype=torch.float32, device=dev)
+    gammas = torch.empty(b, HV, T, dtype=torch.float32, device=dev)
     kn = torch.empty(q.shape, dtype=torch.float32, device=dev)
     qn = torch.empty_like(kn)
     tinv = torch.empty(b, HV, LP, LP, dtype=torch.float32, device=dev)
@@ -458,7 +493,8 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     due = torch.empty(b + 1, dtype=torch.int32, device=dev)
     anc = cursors if parents is None else torch.empty(b, T, dtype=torch.int32, device=dev)
     launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], k, *strides(k), q, *strides(q),
-               kn, qn, scores, *gate_args, due, cursors if parents is None else parents.contiguous(), anc,
+               kn, qn, scores, *gate_args, buf["g"], g, *strides(g)[:3], gammas, due,
+               cursors if parents is None else parents.contiguous(), anc,
                cache.draft_gaps, float(scale), cache.scratch_row, b, HK, HV, T=T, L=cache.window, LP=LP, DK=K,
                DKP=DKP, RATIO=HV // HK, NORM=normalize,
                GATE=gate is not None, HAS_DTB=gate is not None and gate[3] is not None,
@@ -476,13 +512,11 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
                           READ_AFTER=read_after, ROUNDS=rounds, num_warps=shape.refresh_warps, **consts,
                           **({"maxnreg": shape.refresh_maxnreg} if shape.refresh_maxnreg else {}))
     step_args = (slots, cursors, cache.tokens, cache.seeds, tinv, decays, *anchor, *read,
-                 buf["k"], buf["v"], buf["g"], buf["beta"], buf["u"],
-                 qn, kn, v, *strides(v), g, *strides(g)[:3], beta, *strides(beta)[:3], scores, anc, o, due,
-                 cache.scratch_row, HV, HK)
+                 buf["k"], buf["v"], buf["beta"], buf["u"], qn, kn, v, *strides(v), beta, *strides(beta)[:3], scores,
+                 gammas, o, due, cache.scratch_row, HV, HK)
     step_consts = dict(T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, BV=shape.rows, FR=FR, KC=KC,
                        OUTPUT_DOT=shape.output_dot, QP=max(16, triton.next_power_of_2(2 * T)), STREAM=shape.stream,
-                       PIN=shape.pin, STAGES=shape.stages, READ_AFTER=read_after, TREE=parents is not None,
-                       num_warps=shape.warps, **consts)
+                       PIN=shape.pin, STAGES=shape.stages, READ_AFTER=read_after, num_warps=shape.warps, **consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
     due_work = [(_gdn_solve_kernel, (HK, programs), solve, solve_consts)]
     if shape.split:
