@@ -117,16 +117,6 @@ def test_triton_trees_of_more_than_32_drafts_are_refused():
 
 # ---- teeth --------------------------------------------------------------------------------------
 @triton.jit
-def chain_masks(parents_ptr, anc_ptr, gaps_ptr, pid_b, valid, row, T: tl.constexpr, MAXD: tl.constexpr):
-    """``window.ancestor_masks`` with every earlier draft an ancestor (bits 0..s): siblings too."""
-    n = tl.arange(0, 32)
-    tl.store(anc_ptr + pid_b * T + n, (tl.full((32,), 2, tl.int32) << n) - 1, mask=n < T)
-    for s in tl.static_range(T):
-        p = tl.load(parents_ptr + pid_b * T + s).to(tl.int32)
-        tl.store(gaps_ptr + row * MAXD + s, s - 1 - p, mask=valid)
-
-
-@triton.jit
 def chain_bits(parents_ptr, pid_b, valid, T: tl.constexpr):
     """``window.ancestor_bits`` with every earlier draft an ancestor (bits 0..s): siblings too."""
     return (tl.full((32,), 2, tl.int32) << tl.arange(0, 32)) - 1
@@ -135,13 +125,9 @@ def chain_bits(parents_ptr, pid_b, valid, T: tl.constexpr):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_kernel_mask_that_lets_siblings_see_each_other_is_detected(arch, monkeypatch):
     """Ancestor masks of the draft order (every earlier draft, siblings included) in place of the
-    tree's: the outputs of a flat tree's drafts after the first are wrong. (The GDN and KDA scores
-    launches, where all of their tree is applied, take the masks in registers: ``ancestor_bits``.)"""
-    kernels = importlib.import_module(f"replayssm.{arch}.triton")
-    if arch in ("gdn", "kda"):
-        monkeypatch.setattr(kernels, "ancestor_bits", chain_bits)
-    else:
-        monkeypatch.setattr(kernels, "ancestor_masks", chain_masks)
+    tree's: the outputs of a flat tree's drafts after the first are wrong. (The scores launches,
+    where all of a tree is applied, take the masks in registers: ``ancestor_bits``.)"""
+    monkeypatch.setattr(importlib.import_module(f"replayssm.{arch}.triton"), "ancestor_bits", chain_bits)
     d = driver(arch, window=16)
     d.round([0, 1, 2, 3], 4, ["flat"] * 4, depth=0)
     assert d.max_err > 100 * S32_TOL

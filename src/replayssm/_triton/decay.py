@@ -3,17 +3,11 @@
 A decay between two positions is exp of the sum of the log decays between them. Summing each
 segment directly keeps its relative accuracy; the difference c_t - c_j of two fp32 prefix sums
 loses ~ulp(c) absolutely once the prefix sums are large (strong decays), a relative error of
-every decay factor. Windows are short (<= 32), so the masked [LP, LP] sums are cheap.
+every decay factor. Segments to a query are suffix sums of the window's own terms
+(``path_decays``), and the refresh's are masked [LP, LP] sums: windows are short (<= 32).
 """
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def segment_to(la, t):
-    """[LP] sums of la over j < k <= t, for every j (the decay from entry j to position t)."""
-    k = tl.arange(0, la.shape[0])
-    return tl.sum(tl.where((k[None, :] > k[:, None]) & (k[None, :] <= t), la[None, :], 0.0), 1)
 
 
 @triton.jit
@@ -25,9 +19,12 @@ def softplus(x):
 
 
 @triton.jit
-def segment_along(la, seen):
-    """[LP] sums of la over the entries k > j that a query sees (``seen`` [LP] bool, a draft's
-    path), for every j: the decay from entry j to the query along its path. For a chain (seen =
-    k <= t) the same masked sum as ``segment_to``."""
-    k = tl.arange(0, la.shape[0])
-    return tl.sum(tl.where((k[None, :] > k[:, None]) & seen[None, :], la[None, :], 0.0), 1)
+def path_decays(G, G_next, path, path_next):
+    """A query's decays over a window, for several heads at once: (e^{g(j, t]} [RP, LP], zero off
+    the path, and e^{c_t} [RP], the decay from the checkpoint to t), from the heads' log decays G
+    [RP, LP], the same one entry on (G_next[:, j] = G[:, j + 1]) and the query's path (``path``
+    [LP] bool, and ``path_next``, the same one entry on). g(j, t] is a suffix sum (tl.cumsum) of
+    the path's terms after j: a sum of the segment's own terms, not a difference of sums."""
+    seg = tl.cumsum(tl.where(path_next[None, :], G_next, 0.0), 1, reverse=True)
+    decay = tl.exp(tl.where(path[None, :], seg, float("-inf")))  # masked before exp
+    return decay, tl.exp(tl.sum(tl.where(path[None, :], G, 0.0), 1))

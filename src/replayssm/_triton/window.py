@@ -115,17 +115,6 @@ def window_keys(bk_ptr, row, khead, h, ck, HK, DK: tl.constexpr, L: tl.constexpr
 
 
 @triton.jit
-def window_scalars(buf_ptr, in_ptr, sb, st, sh, row, pid_b, h, head, NH, T: tl.constexpr, L: tl.constexpr,
-                   LP: tl.constexpr):
-    """[LP] fp32 window of a per-token, per-head scalar field (buffer [rows, L, NH], inputs
-    [b, T, NH] of strides (sb, st, sh))."""
-    j = tl.arange(0, LP)
-    a = tl.load(buf_ptr + (row * L + j) * NH + head, mask=j < h, other=0.0)
-    b = tl.load(in_ptr + pid_b * sb + (j - h) * st + head * sh, mask=(j >= h) & (j < h + T), other=0.0)
-    return a.to(tl.float32) + b.to(tl.float32)
-
-
-@triton.jit
 def _draft_parent(parents_ptr, pid_b, valid, s: tl.constexpr, T: tl.constexpr):
     """The parent of draft s of batch row ``pid_b`` (-1: the last committed token), clamped into
     [-1, s) (unchecked inputs); s - 1 (a chain) for a pad row."""
@@ -148,29 +137,13 @@ def ancestor_bits(parents_ptr, pid_b, valid, T: tl.constexpr):
 
 
 @triton.jit
-def ancestor_masks(parents_ptr, anc_ptr, gaps_ptr, pid_b, valid, row, T: tl.constexpr, MAXD: tl.constexpr):
-    """Store the draft tree of batch row ``pid_b`` as bitmasks: anc[pid_b, s] (int32 [b, T]) =
-    ``ancestor_bits``; and for a real slot its pending tree as ``cache.draft_gaps`` (int32
-    [rows, MAXD]: s - 1 - parent) against which accept checks a path. parents [b, T] int32 or
-    int64, -1 the last committed token; values outside [-1, s) (unchecked inputs) are clamped into
-    it and a pad row is a chain, so no mask ever names a later draft."""
-    n = tl.arange(0, 32)
+def pending_tree(parents_ptr, gaps_ptr, pid_b, valid, row, T: tl.constexpr, MAXD: tl.constexpr):
+    """Store the draft tree of batch row ``pid_b``, for a real slot, as its pending tree
+    ``cache.draft_gaps`` (int32 [rows, MAXD]: s - 1 - parent) against which accept checks a path.
+    parents [b, T] int32 or int64, -1 the last committed token; values outside [-1, s) (unchecked
+    inputs) are clamped into it, as ``ancestor_bits`` clamps them, so no path names a later draft."""
     for s in tl.static_range(T):
         tl.store(gaps_ptr + row * MAXD + s, s - 1 - _draft_parent(parents_ptr, pid_b, valid, s, T), mask=valid)
-    tl.store(anc_ptr + pid_b * T + n, ancestor_bits(parents_ptr, pid_b, valid, T), mask=n < T)
-
-
-@triton.jit
-def ancestor_loads(anc_ptr, pid_b, T: tl.constexpr, TREE: tl.constexpr):
-    """The T ancestor bitmasks of batch row ``pid_b`` (``ancestor_masks``) as a tuple indexed by
-    draft, issued together; zeros, never read, for a chain (not TREE)."""
-    out = ()
-    for s in tl.static_range(T):
-        anc = 0
-        if TREE:
-            anc = tl.load(anc_ptr + pid_b * T + s)
-        out = out + (anc,)
-    return out
 
 
 @triton.jit
@@ -184,7 +157,7 @@ def draft_bits(anc, s: tl.constexpr, TREE: tl.constexpr):
 @triton.jit
 def draft_view(anc, h, s: tl.constexpr, LP: tl.constexpr, TREE: tl.constexpr):
     """[LP] bool: the window positions that draft s (at h + s) sees, the committed entries j < h
-    and, among the drafts at h + n, its ancestors and itself (``anc``: bit n, ``ancestor_masks``);
+    and, among the drafts at h + n, its ancestors and itself (``anc``: bit n, ``draft_bits``);
     every draft n <= s for a chain (not TREE), i.e. j <= h + s."""
     j = tl.arange(0, LP)
     rel = j - h
@@ -192,3 +165,29 @@ def draft_view(anc, h, s: tl.constexpr, LP: tl.constexpr, TREE: tl.constexpr):
     if TREE:
         on = on & (((anc >> tl.where(on, rel, 0)) & 1) != 0)
     return (j < h) | on
+
+
+@triton.jit
+def head_window(buf_ptr, in_ptr, sb, st, sh, new, row, pid_b, h, at, heads, mine, NH, T: tl.constexpr,
+                L: tl.constexpr, IN_REGISTERS: tl.constexpr):
+    """[RP, LP] fp32 window of a per-token, per-head scalar field for heads ``heads`` [RP]
+    (``mine``: the real ones) at positions ``at`` [LP]: committed entries (at < h) from the buffer
+    [rows, L, NH], the new ones from the inputs [b, T, NH] of strides (sb, st, sh) or, with
+    IN_REGISTERS, from ``new`` (a tuple of [RP] by token, computed by the launch); zero elsewhere."""
+    X = tl.load(buf_ptr + (row * L + at[None, :]) * NH + heads[:, None], mask=mine[:, None] & (at < h)[None, :],
+                other=0.0).to(tl.float32)
+    if IN_REGISTERS:
+        for s in tl.static_range(T):
+            X = tl.where((at == h + s)[None, :], new[s][:, None], X)
+    else:
+        X += tl.load(in_ptr + pid_b * sb + (at - h)[None, :] * st + heads[:, None] * sh,
+                     mask=mine[:, None] & ((at >= h) & (at < h + T))[None, :], other=0.0).to(tl.float32)
+    return X
+
+
+@triton.jit
+def draft_paths(anc, h, s: tl.constexpr, LP: tl.constexpr, TREE: tl.constexpr):
+    """Draft s's path over the window (``draft_view``) and the same one entry on, for
+    ``decay.path_decays``; ``anc``: ``ancestor_bits``' vector (0 for a chain)."""
+    bits = draft_bits(anc, s, TREE)
+    return draft_view(bits, h, s, LP, TREE), draft_view(bits, h - 1, s, LP, TREE)

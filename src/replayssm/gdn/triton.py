@@ -44,8 +44,8 @@ import triton.language as tl
 from .._triton import launch
 from .._triton.launch import after_previous_launch
 from .._triton.solve import unit_lower_inverse
-from .._triton.decay import softplus
-from .._triton.window import (ancestor_bits, ancestor_masks, draft_bits, draft_view, due_slot, list_due, slot_cursor,
+from .._triton.decay import path_decays, softplus
+from .._triton.window import (ancestor_bits, draft_paths, due_slot, head_window, list_due, pending_tree, slot_cursor,
                               step_item, window_keys)
 from .._triton.formats import (column, load_query, load_read, load_tile, matvec, pin_vector_width,
                                products_on_tensor_cores, read_copy_from_anchor, streamed_products, within,
@@ -89,7 +89,7 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, skb
                        sat: tl.constexpr, sah: tl.constexpr, b_ptr, sbb: tl.constexpr, sbt: tl.constexpr,
                        sbh: tl.constexpr, alog_ptr, s_alog: tl.constexpr, dtb_ptr, s_dtb: tl.constexpr, gn_ptr,
                        betan_ptr, bg_ptr, g_ptr, sgb: tl.constexpr, sgt: tl.constexpr, sgh: tl.constexpr, gammas_ptr,
-                       due_ptr, parents_ptr, anc_ptr, gaps_ptr, scale, SCRATCH, B, HK, HV, T: tl.constexpr,
+                       due_ptr, parents_ptr, gaps_ptr, scale, SCRATCH, B, HK, HV, T: tl.constexpr,
                        L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, RATIO: tl.constexpr,
                        NORM: tl.constexpr, GATE: tl.constexpr, HAS_DTB: tl.constexpr, RP: tl.constexpr,
                        DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, TREE: tl.constexpr, MAXD: tl.constexpr,
@@ -109,7 +109,7 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, skb
     (``window.list_due``). TREE: the batch row's draft tree, ``parents`` [b, T]: draft s's weights
     and decay run along its own path (its ancestors, ``window.draft_view``), so the step launch
     needs no tree of its own; the slot's pending tree goes into ``cache.draft_gaps``
-    (``window.ancestor_masks``). The caller's k, q, g, a, b, A_log and dt_bias are read through
+    (``window.pending_tree``). The caller's k, q, g, a, b, A_log and dt_bias are read through
     their strides (s*: ``launch.token_strides``, ``launch.head_stride``)."""
     after_previous_launch(PDL)
     pid_b, khead = tl.program_id(0), tl.program_id(1)
@@ -135,14 +135,14 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, skb
     if khead == 0:
         tl.store(cursors_ptr + pid_b, h)
         if TREE:
-            ancestor_masks(parents_ptr, anc_ptr, gaps_ptr, pid_b, valid, row, T, MAXD)
+            pending_tree(parents_ptr, gaps_ptr, pid_b, valid, row, T, MAXD)
     anc = ancestor_bits(parents_ptr, pid_b, valid, T) if TREE else 0
     j = tl.arange(0, LP)
     seen = tl.where(need, 0, h)  # committed entries the new tokens see: none after a refresh
     K_old = window_keys(bk_ptr, row, khead, seen, ck, HK, DK, L, LP)
     # the key head's value heads' log decays over the window [RP, LP], and the same one entry on
-    G = _window_decays(bg_ptr, g_ptr, sgb, sgt, sgh, gates, row, pid_b, seen, j, vh, mine, HV, T, L, GATE)
-    G_next = _window_decays(bg_ptr, g_ptr, sgb, sgt, sgh, gates, row, pid_b, seen, j + 1, vh, mine, HV, T, L, GATE)
+    G = head_window(bg_ptr, g_ptr, sgb, sgt, sgh, gates, row, pid_b, seen, j, vh, mine, HV, T, L, GATE)
+    G_next = head_window(bg_ptr, g_ptr, sgb, sgt, sgh, gates, row, pid_b, seen, j + 1, vh, mine, HV, T, L, GATE)
     # the new keys and queries, prepared in registers: the window's new entries are scored from
     # here, not read back from kn / qn
     keys, queries = (), ()
@@ -163,37 +163,14 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, skb
         K = tl.where((j == seen + n)[:, None], keys[n][None, :], K)
     for s in tl.static_range(T):
         t = seen + s
-        bits = draft_bits(anc, s, TREE)
-        path = draft_view(bits, seen, s, LP, TREE)  # j <= t for a chain
-        G_path = tl.where(path[None, :], G, 0.0)
-        # [RP, LP]: the log decay from entry j to t along the path, sum_{k > j} of its terms: a
-        # suffix sum of the window one entry on (whose path is the path one entry on), not a
-        # difference of sums
-        seg = tl.cumsum(tl.where(draft_view(bits, seen - 1, s, LP, TREE)[None, :], G_next, 0.0), 1, reverse=True)
-        decay = tl.exp(tl.where(path[None, :], seg, float("-inf")))  # masked before exp
+        path, path_next = draft_paths(anc, seen, s, LP, TREE)  # j <= t for a chain
+        decay, gamma = path_decays(G, G_next, path, path_next)
         to_q = decay * tl.sum(K * queries[s][None, :], 1)[None, :]
         to_k = tl.where((j < t)[None, :], decay, 0.0) * tl.sum(K * keys[s][None, :], 1)[None, :]
         at = ((pid_b * HV + vh) * 2 * T + s) * LP  # [RP]
         tl.store(scores_ptr + at[:, None] + j[None, :], to_q, mask=mine[:, None])
         tl.store(scores_ptr + at[:, None] + T * LP + j[None, :], to_k, mask=mine[:, None])
-        tl.store(gammas_ptr + (pid_b * HV + vh) * T + s, tl.exp(tl.sum(G_path, 1)), mask=mine)
-
-
-@triton.jit
-def _window_decays(bg_ptr, g_ptr, sgb, sgt, sgh, gates, row, pid_b, h, at, vh, mine, HV, T: tl.constexpr,
-                   L: tl.constexpr, GATE: tl.constexpr):
-    """[RP, LP] fp32 log decays of value heads ``vh`` at window positions ``at`` [LP]: committed
-    entries (at < h) from the buffer, the new ones from the caller's g (strides sg*) or, with GATE,
-    from ``gates`` (a tuple of [RP] by token); zero elsewhere."""
-    G = tl.load(bg_ptr + (row * L + at[None, :]) * HV + vh[:, None], mask=mine[:, None] & (at < h)[None, :],
-                other=0.0).to(tl.float32)
-    if GATE:
-        for s in tl.static_range(T):
-            G = tl.where((at == h + s)[None, :], gates[s][:, None], G)
-    else:
-        G += tl.load(g_ptr + pid_b * sgb + (at - h)[None, :] * sgt + vh[:, None] * sgh,
-                     mask=mine[:, None] & ((at >= h) & (at < h + T))[None, :], other=0.0).to(tl.float32)
-    return G
+        tl.store(gammas_ptr + (pid_b * HV + vh) * T + s, gamma, mask=mine)
 
 
 @triton.jit
@@ -491,10 +468,9 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     decays = torch.empty(b, HV, 3, LP, dtype=torch.float32, device=dev)
     cursors = torch.empty(b, dtype=cache.committed.dtype, device=dev)
     due = torch.empty(b + 1, dtype=torch.int32, device=dev)
-    anc = cursors if parents is None else torch.empty(b, T, dtype=torch.int32, device=dev)
     launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], k, *strides(k), q, *strides(q),
                kn, qn, scores, *gate_args, buf["g"], g, *strides(g)[:3], gammas, due,
-               cursors if parents is None else parents.contiguous(), anc,
+               cursors if parents is None else parents.contiguous(),
                cache.draft_gaps, float(scale), cache.scratch_row, b, HK, HV, T=T, L=cache.window, LP=LP, DK=K,
                DKP=DKP, RATIO=HV // HK, NORM=normalize,
                GATE=gate is not None, HAS_DTB=gate is not None and gate[3] is not None,

@@ -59,7 +59,7 @@ from .._triton.formats import (
 )
 from .._triton.launch import after_previous_launch
 from .._triton.solve import unit_lower_inverse
-from .._triton.window import (ancestor_bits, ancestor_masks, draft_bits, draft_view, due_slot, list_due, slot_cursor,
+from .._triton.window import (ancestor_bits, draft_bits, draft_view, due_slot, list_due, pending_tree, slot_cursor,
                               slot_row, step_cursor, window_keys, window_rows)
 from ..gdn.triton import (
     SOLVE_WARPS,
@@ -126,7 +126,7 @@ def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, k_
                        skt: tl.constexpr, skh: tl.constexpr, ske: tl.constexpr, q_ptr, sqb: tl.constexpr,
                        sqt: tl.constexpr, sqh: tl.constexpr, sqe: tl.constexpr, g_ptr, sgb: tl.constexpr,
                        sgt: tl.constexpr, sgh: tl.constexpr, sge: tl.constexpr, kn_ptr, qn_ptr, kd_ptr, qd_ptr,
-                       scores_ptr, due_ptr, parents_ptr, anc_ptr, gaps_ptr, scale, SCRATCH, B, HK, HV, T: tl.constexpr,
+                       scores_ptr, due_ptr, parents_ptr, gaps_ptr, scale, SCRATCH, B, HK, HV, T: tl.constexpr,
                        L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, RATIO: tl.constexpr,
                        NORM: tl.constexpr, DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, TREE: tl.constexpr,
                        MAXD: tl.constexpr, PDL: tl.constexpr):
@@ -139,7 +139,7 @@ def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, k_
     ``launch.token_strides``). TREE: the batch row's draft tree ``parents`` [b, T]; draft s's
     scores, segment decays and e^{G_t} run along its own path (its ancestors, ``window.draft_view``),
     so the step kernel needs no tree of its own; program (b, 0) stores the slot's pending tree
-    (``window.ancestor_masks``: ``cache.draft_gaps`` for accept, and anc [b, T])."""
+    (``window.pending_tree``: ``cache.draft_gaps`` for accept)."""
     after_previous_launch(PDL)
     pid_b, khead = tl.program_id(0), tl.program_id(1)
     if (pid_b == 0) & (khead == 0):
@@ -160,7 +160,7 @@ def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, k_
     if khead == 0:
         tl.store(cursors_ptr + pid_b, h)
         if TREE:
-            ancestor_masks(parents_ptr, anc_ptr, gaps_ptr, pid_b, valid, row, T, MAXD)
+            pending_tree(parents_ptr, gaps_ptr, pid_b, valid, row, T, MAXD)
     anc = ancestor_bits(parents_ptr, pid_b, valid, T) if TREE else 0
     j = tl.arange(0, LP)
     h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
@@ -383,10 +383,9 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     cursors = torch.empty(b, dtype=cache.committed.dtype, device=dev)
     refresh = (tinv, rk, fk, total)
     due = torch.empty(b + 1, dtype=torch.int32, device=dev)
-    anc = due if parents is None else torch.empty(b, T, dtype=torch.int32, device=dev)
     launch.run(_kda_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], buf["g"], k, *strides(k), q,
                *strides(q), g, *strides(g), kn, qn, kd,
-               qd, scores, due, due if parents is None else parents, anc, cache.draft_gaps, float(scale),
+               qd, scores, due, due if parents is None else parents, cache.draft_gaps, float(scale),
                cache.scratch_row, b, HK, HV, T=T, L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, NORM=normalize,
                **launch.due_scan(b, True), TREE=parents is not None, MAXD=cache.max_draft)
     n, rounds = launch.refresh_grid(b, T, cache.window)

@@ -1,8 +1,8 @@
 """Mamba-2 ReplaySSM Triton kernels: output-only decode/verify with the refresh as a branch.
 
 A step is three launches (``_triton/launch.py``): ``_mamba2_scores_kernel`` (the input
-preparation dt = softplus(dt + dt_bias), A dt; B_j . C_s over the window; for slots whose window
-is full, the fold weights), ``_mamba2_step_kernel`` (one program per block of state rows, head and
+preparation dt = softplus(dt + dt_bias), A dt; B_j . C_s over the window, times each head's
+decays and step sizes into the step's weights; for slots whose window is full, the fold weights), ``_mamba2_step_kernel`` (one program per block of state rows, head and
 batch row) and ``launch.advance`` (shared buffer fields and cursors). Where the launch policy puts
 the slots due beside the others (``launch.StepShape.beside``), a step launch over them only runs on
 a side stream beside the step launch over the other slots (after their refresh launch, where the
@@ -20,9 +20,10 @@ format,
     y_s = gamma_t (S_read C_s) + sum_{j <= t} gamma_{j+1:t} dt_j (B_j . C_s) x_j,   t = h + s
 
 (the output-only form) as fp32 row reductions: the products are matrix-vector, so IEEE fp32
-keeps parity with the float64 reference. The new tokens' x rows are stored here. For a draft
-tree the sums over j <= t run over the committed entries and draft s's ancestors only (the scores
-launch's bitmasks, ``window.ancestor_masks``), decays included.
+keeps parity with the float64 reference. The weights gamma_{j+1:t} dt_j (B_j . C_s) and gamma_t
+come from the scores launch, once per head for all its step programs. The new tokens' x rows are
+stored here. For a draft tree the sums over j <= t run over the committed entries and draft s's
+ancestors only (the weights are zero elsewhere and the decays run along the draft's path).
 """
 from __future__ import annotations
 
@@ -32,9 +33,9 @@ import triton.language as tl
 
 from .._triton import launch
 from .._triton.launch import after_previous_launch
-from .._triton.decay import segment_along, softplus
-from .._triton.window import (ancestor_loads, ancestor_masks, draft_view, due_slot, list_due, slot_cursor, step_item,
-                              window_rows, window_scalars)
+from .._triton.decay import path_decays, softplus
+from .._triton.window import (ancestor_bits, draft_paths, due_slot, head_window, list_due, pending_tree, slot_cursor,
+                              step_item, window_rows)
 from .._triton.formats import (load_query, load_read, load_tile, matvec, pin_vector_width, read_copy_from_anchor,
                                within, write_checkpoint)
 
@@ -44,21 +45,25 @@ def _mamba2_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bB_ptr, bdt_ptr
                           sBt: tl.constexpr, sBh: tl.constexpr, sBe: tl.constexpr, C_ptr, sCb: tl.constexpr,
                           sCt: tl.constexpr, sCh: tl.constexpr, sCe: tl.constexpr, scores_ptr, fold_w_ptr,
                           fold_decay_ptr, dt_ptr, sdb: tl.constexpr, sdt: tl.constexpr, sdh: tl.constexpr, bias_ptr,
-                          s_bias: tl.constexpr, A_ptr, s_A, dtn_ptr, la_ptr, due_ptr, parents_ptr, anc_ptr, gaps_ptr,
+                          s_bias: tl.constexpr, A_ptr, s_A, dtn_ptr, la_ptr, gammas_ptr, due_ptr, parents_ptr, gaps_ptr,
                           SCRATCH, B, H, G, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr,
                           DKP: tl.constexpr, HG: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
                           DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, TREE: tl.constexpr, MAXD: tl.constexpr,
                           PDL: tl.constexpr):
     """Once per (batch row, group): the T new tokens' step sizes of the group's heads prepared in
     fp32 into dtn = softplus(dt + dt_bias) and la = A * dtn [b, T, H] for the other launches; the
-    batch row's committed count into ``cursors`` [b]; scores[b, g, s, j] = B_j . C_s over the
-    entries a query sees (committed + new); and for a slot due to refresh, each head's fold
-    weights w_j = gamma_{j+1:h} dt_j [b, H, LP] (zero past h) and history decay gamma_{1:h} [b, H].
-    DUE_CH > 0: program (0, 0) also lists the slots due for a refresh launch of its own
-    (``window.list_due``). TREE: the batch row's draft tree, ``parents`` [b, T], as ancestor
-    bitmasks into ``anc`` int32 [b, T] for the step launch, and the slot's pending tree into
-    ``cache.draft_gaps`` (``window.ancestor_masks``). The caller's B, C, dt, dt_bias and A are read
-    through their strides (s*: ``launch.token_strides``, ``launch.head_stride``)."""
+    batch row's committed count into ``cursors`` [b]; for each head of the group the step launch's
+    weights scores[b, head, s, j] = gamma_{j+1:t} dt_j (B_j . C_s) over the entries j a query sees
+    (committed + new, zero elsewhere) and gammas[b, head, s] = gamma_t, the decay from the
+    checkpoint to t = h + s: the step launch's programs, several per head, share them instead of
+    each summing them; and for a slot due to refresh, each head's fold weights w_j = gamma_{j+1:h}
+    dt_j [b, H, LP] (zero past h) and history decay gamma_{1:h} [b, H]. DUE_CH > 0: program (0, 0)
+    also lists the slots due for a refresh launch of its own (``window.list_due``). TREE: the batch
+    row's draft tree, ``parents`` [b, T]: draft s's weights and decay run along its own path (its
+    ancestors, ``window.draft_view``), so the step launch needs no tree of its own; the slot's
+    pending tree goes into ``cache.draft_gaps`` (``window.pending_tree``). The caller's B, C, dt,
+    dt_bias and A are read through their strides (s*: ``launch.token_strides``,
+    ``launch.head_stride``)."""
     after_previous_launch(PDL)
     pid_b, group = tl.program_id(0), tl.program_id(1)
     if DUE_CH > 0:
@@ -67,6 +72,7 @@ def _mamba2_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bB_ptr, bdt_ptr
     heads = group * (H // G) + tl.arange(0, HG)
     mine = tl.arange(0, HG) < H // G
     A = tl.load(A_ptr + heads * s_A, mask=mine, other=0.0).to(tl.float32)
+    steps, log_decays = (), ()
     for s in tl.static_range(T):
         at = (pid_b * T + s) * H + heads
         d = tl.load(dt_ptr + pid_b * sdb + s * sdt + heads * sdh, mask=mine, other=0.0).to(tl.float32)
@@ -74,13 +80,14 @@ def _mamba2_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bB_ptr, bdt_ptr
             d += tl.load(bias_ptr + heads * s_bias, mask=mine, other=0.0).to(tl.float32)
         if SOFTPLUS:
             d = softplus(d)
+        steps, log_decays = steps + (d,), log_decays + (A * d,)
         tl.store(dtn_ptr + at, d, mask=mine)
-        tl.store(la_ptr + at, A * d, mask=mine)
+        tl.store(la_ptr + at, log_decays[s], mask=mine)
     valid, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
     if group == 0:
         tl.store(cursors_ptr + pid_b, h)
         if TREE:
-            ancestor_masks(parents_ptr, anc_ptr, gaps_ptr, pid_b, valid, row, T, MAXD)
+            pending_tree(parents_ptr, gaps_ptr, pid_b, valid, row, T, MAXD)
     j = tl.arange(0, LP)
     if need:  # the refresh's per-token scalars of the group's heads, at this launch's shape for every preset
         old = mine[:, None] & (j < h)[None, :]
@@ -94,10 +101,20 @@ def _mamba2_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bB_ptr, bdt_ptr
     h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
     ck = tl.arange(0, DKP)  # columns from DK on are zero
     K = window_rows(bB_ptr, B_ptr, sBb, sBt, sBh, sBe, row, pid_b, h, group, G, ck, DK, T, L, LP)
+    # the group's heads' log decays and step sizes over the window [HG, LP], the decays one entry on too
+    LA = head_window(bla_ptr, la_ptr, 0, 0, 0, log_decays, row, pid_b, h, j, heads, mine, H, T, L, True)
+    LA_next = head_window(bla_ptr, la_ptr, 0, 0, 0, log_decays, row, pid_b, h, j + 1, heads, mine, H, T, L, True)
+    DT = head_window(bdt_ptr, dtn_ptr, 0, 0, 0, steps, row, pid_b, h, j, heads, mine, H, T, L, True)
+    anc = ancestor_bits(parents_ptr, pid_b, valid, T) if TREE else 0
     for s in tl.static_range(T):
         q = tl.load(C_ptr + pid_b * sCb + s * sCt + group * sCh + ck * sCe, mask=within(ck, DK),
                     other=0.0).to(tl.float32)
-        tl.store(scores_ptr + ((pid_b * G + group) * T + s) * LP + j, tl.sum(K * q[None, :], 1))
+        path, path_next = draft_paths(anc, h, s, LP, TREE)  # j <= h + s for a chain
+        decay, gamma = path_decays(LA, LA_next, path, path_next)
+        at = (pid_b * H + heads) * T + s  # [HG]
+        tl.store(scores_ptr + at[:, None] * LP + j[None, :], decay * DT * tl.sum(K * q[None, :], 1)[None, :],
+                 mask=mine[:, None])
+        tl.store(gammas_ptr + at, gamma, mask=mine)
 
 
 @triton.jit
@@ -161,12 +178,13 @@ def _mamba2_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w
 
 @triton.jit
 def _token_loads(x_ptr, sxb, sxt, sxh, sxe, C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD, z_ptr, szb, szt, szh, sze,
-                 scores_ptr, pid_b, head, group, rv, H, G, T: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr,
-                 DK: tl.constexpr, DKP: tl.constexpr, R_FMT: tl.constexpr, HAS_D: tl.constexpr,
+                 scores_ptr, gammas_ptr, pid_b, head, group, rv, H, G, T: tl.constexpr, LP: tl.constexpr,
+                 DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, R_FMT: tl.constexpr, HAS_D: tl.constexpr,
                  HAS_Z: tl.constexpr):
     """The new tokens' inputs to a step program, all issued at once: a tuple indexed by s of
-    (B_j . C_s [LP], C_s as ``load_query`` gives it, D, x_s [BV], z_s [BV]; D, x_s and z_s zero
-    where not used). x, C, D, z are the caller's, read through their strides."""
+    (the scores launch's weights gamma_{j+1:t} dt_j (B_j . C_s) [LP] and gamma_t, C_s as
+    ``load_query`` gives it, D, x_s [BV], z_s [BV]; D, x_s and z_s zero where not used). x, C, D,
+    z are the caller's, read through their strides."""
     tokens_in = ()
     for s in tl.static_range(T):
         qa, qb = load_query(C_ptr + pid_b * sCb + s * sCt + group * sCh, sCe, DK, DKP, R_FMT)
@@ -177,8 +195,9 @@ def _token_loads(x_ptr, sxb, sxt, sxh, sxe, C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD
             xq = tl.load(x_ptr + pid_b * sxb + s * sxt + head * sxh + rv * sxe).to(tl.float32)
         if HAS_Z:
             zq = tl.load(z_ptr + pid_b * szb + s * szt + head * szh + rv * sze).to(tl.float32)
-        tokens_in = tokens_in + ((tl.load(scores_ptr + ((pid_b * G + group) * T + s) * LP + tl.arange(0, LP)),
-                                  qa, qb, D, xq, zq),)
+        at = (pid_b * H + head) * T + s
+        tokens_in = tokens_in + ((tl.load(scores_ptr + at * LP + tl.arange(0, LP)), tl.load(gammas_ptr + at), qa, qb,
+                                  D, xq, zq),)
     return tokens_in
 
 
@@ -186,13 +205,12 @@ def _token_loads(x_ptr, sxb, sxt, sxh, sxe, C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD
 def _mamba2_step_program(
         pid_v, head, pid_b, valid, row, h, need,
         tokens_ptr, seeds_ptr, fold_w_ptr, fold_decay_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
-        bx_ptr, bdt_ptr, bla_ptr, bB_ptr, x_ptr, sxb, sxt, sxh, sxe, dt_ptr, la_ptr, C_ptr, sCb, sCt, sCh, sCe,
-        D_ptr, sD, z_ptr, szb, szt, szh, sze, scores_ptr, anc_ptr, y_ptr, H, G,
+        bx_ptr, bB_ptr, x_ptr, sxb, sxt, sxh, sxe, C_ptr, sCb, sCt, sCh, sCe,
+        D_ptr, sD, z_ptr, szb, szt, szh, sze, scores_ptr, gammas_ptr, y_ptr, H, G,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
         BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
         R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-        PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr,
-        TREE: tl.constexpr):
+        PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr):
     """Rows pid_v BV .. (pid_v + 1) BV of ``head`` of batch row ``pid_b`` (storage row ``row``, h
     committed entries, ``need``: due to refresh, folded here first when REFRESH)."""
     group = head // (H // G)
@@ -212,23 +230,17 @@ def _mamba2_step_program(
     # the read copy in its own layout (the anchor itself when shared), then everything else a
     # program reads, all issued before any arithmetic so that it waits on memory once
     ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, DKP, R_FMT)
-    la = window_scalars(bla_ptr, la_ptr, T * H, H, 1, row, pid_b, h, head, H, T, L, LP)
-    dt = window_scalars(bdt_ptr, dt_ptr, T * H, H, 1, row, pid_b, h, head, H, T, L, LP)
     X = window_rows(bx_ptr, x_ptr, sxb, sxt, sxh, sxe, row, pid_b, h, head, H, rv, DV, T, L, LP)
     tokens_in = _token_loads(x_ptr, sxb, sxt, sxh, sxe, C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD, z_ptr, szb, szt, szh,
-                             sze, scores_ptr, pid_b, head, group, rv, H, G, T, LP, DV, DK, DKP, R_FMT, HAS_D, HAS_Z)
-    ancestors = ancestor_loads(anc_ptr, pid_b, T, TREE)
+                             sze, scores_ptr, gammas_ptr, pid_b, head, group, rv, H, G, T, LP, DV, DK, DKP, R_FMT,
+                             HAS_D, HAS_Z)
     if PIN:
         pin_vector_width(rv_ptr, mat, rv, ck, h < 0, DV, DK, PIN)
     new = (j >= h) & (j < h + T)
     for s in tl.static_range(T):  # y_s = gamma_t S_read q + sum_j gamma_{j+1:t} dt_j (k_j . q) x_j
         q_tok = pid_b * T + s
-        scores, qa, qb, D, xq, zq = tokens_in[s]
-        sq = matvec(ra, rb, rsc, qa, qb, R_FMT)
-        seen = draft_view(ancestors[s], h, s, LP, TREE)  # j <= h + s for a chain; the sums below run along it
-        decay = tl.exp(tl.where(seen, segment_along(la, seen), float("-inf")))  # masked before exp
-        w = decay * dt * scores  # [LP]
-        y = tl.exp(tl.sum(tl.where(seen, la, 0.0), 0)) * sq
+        w, gamma, qa, qb, D, xq, zq = tokens_in[s]  # the scores launch's weights [LP] and gamma_t
+        y = gamma * matvec(ra, rb, rsc, qa, qb, R_FMT)
         y += tl.sum(X * w[:, None], 0)
         if HAS_D:
             y += D * xq
@@ -242,22 +254,21 @@ def _mamba2_step_program(
 
 @triton.jit
 def _mamba2_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_ptr, fold_decay_ptr, av_ptr, as_ptr,
-                        ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, x_ptr, sxb: tl.constexpr,
-                        sxt: tl.constexpr, sxh: tl.constexpr, sxe: tl.constexpr, dt_ptr, la_ptr, C_ptr,
+                        ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, x_ptr, sxb: tl.constexpr,
+                        sxt: tl.constexpr, sxh: tl.constexpr, sxe: tl.constexpr, C_ptr,
                         sCb: tl.constexpr, sCt: tl.constexpr, sCh: tl.constexpr, sCe: tl.constexpr, D_ptr,
                         sD: tl.constexpr, z_ptr, szb: tl.constexpr, szt: tl.constexpr, szh: tl.constexpr,
-                        sze: tl.constexpr, scores_ptr, anc_ptr, y_ptr, due_ptr, SCRATCH, H, G, T: tl.constexpr,
+                        sze: tl.constexpr, scores_ptr, gammas_ptr, y_ptr, due_ptr, SCRATCH, H, G, T: tl.constexpr,
                         L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
                         BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr,
                         A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr,
                         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, PIN: tl.constexpr, REFRESH: tl.constexpr,
-                        STAGES: tl.constexpr, READ_AFTER: tl.constexpr, TREE: tl.constexpr, DUE: tl.constexpr,
+                        STAGES: tl.constexpr, READ_AFTER: tl.constexpr, DUE: tl.constexpr,
                         ROUNDS: tl.constexpr, PDL: tl.constexpr):
     """Program (v, head, c), c a batch row or, with DUE = ``launch.DUE_ONLY``, the slots due of
-    ranks c, c + n, ... (``window.step_item``). TREE: draft s sees the committed entries and its
-    ancestors only (``anc`` [b, T], the scores launch's bitmasks), its decays summed along that
-    path; else a chain. The caller's x, C, D, z are read through their strides; dt and la are the
-    scores launch's, contiguous."""
+    ranks c, c + n, ... (``window.step_item``). The decays of every draft, along its own path for a
+    tree, are in the scores launch's weights and gammas, so a tree's step is a chain's. The
+    caller's x, C, D, z are read through their strides."""
     after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -268,10 +279,10 @@ def _mamba2_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_pt
         if active:
             _mamba2_step_program(
                 pid_v, head, pid_b, valid, row, h, need, tokens_ptr, seeds_ptr, fold_w_ptr, fold_decay_ptr, av_ptr,
-                as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bdt_ptr, bla_ptr, bB_ptr, x_ptr, sxb, sxt, sxh, sxe,
-                dt_ptr, la_ptr, C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD, z_ptr, szb, szt, szh, sze, scores_ptr, anc_ptr,
+                as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, x_ptr, sxb, sxt, sxh, sxe,
+                C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD, z_ptr, szb, szt, szh, sze, scores_ptr, gammas_ptr,
                 y_ptr, H, G, T, L, LP, DV, DK, DKP, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, HAS_D, HAS_Z, PIN,
-                REFRESH, STAGES, READ_AFTER, TREE)
+                REFRESH, STAGES, READ_AFTER)
 
 
 def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit: bool, y, parents=None):
@@ -291,7 +302,8 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     shape = launch.step_shape(cache, "mamba2", T, b)
     buf = cache.buffer
     LP, DKP = launch.window_pad(cache), launch.column_pad(cache)
-    scores = torch.empty(b, G, T, LP, dtype=torch.float32, device=dev)
+    scores = torch.empty(b, H, T, LP, dtype=torch.float32, device=dev)
+    gammas = torch.empty(b, H, T, dtype=torch.float32, device=dev)
     fold_w = torch.empty(b, H, LP, dtype=torch.float32, device=dev)
     fold_decay = torch.empty(b, H, dtype=torch.float32, device=dev)
     cursors = torch.empty(b, dtype=cache.committed.dtype, device=dev)
@@ -299,14 +311,12 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     log_alpha = torch.empty_like(dt)
     listed = shape.split or shape.beside  # a launch over the slots due reads their list
     due = torch.empty(b + 1 if listed else 1, dtype=torch.int32, device=dev)
-    anc = cursors if parents is None else torch.empty(b, T, dtype=torch.int32, device=dev)
-    tree = dict(parents=cursors if parents is None else parents.contiguous(), anc=anc, TREE=parents is not None)
+    tree = dict(parents=cursors if parents is None else parents.contiguous(), TREE=parents is not None)
     launch.run(_mamba2_scores_kernel, (b, G), slots, cache.committed, cursors, buf["B"], buf["dt"], buf["log_alpha"],
                B, *strides(B), C, *strides(C), scores, fold_w, fold_decay, dt_in, *strides(dt_in)[:3],
                A if dt_bias is None else dt_bias, launch.head_stride(dt_bias), A, launch.head_stride(A), dt,
-               log_alpha, due, tree["parents"], anc, cache.draft_gaps, cache.scratch_row, b, H, G, T=T, L=cache.window,
-               LP=LP, DK=N, DKP=DKP,
-               HG=triton.next_power_of_2(H // G), HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
+               log_alpha, gammas, due, tree["parents"], cache.draft_gaps, cache.scratch_row, b, H, G, T=T,
+               L=cache.window, LP=LP, DK=N, DKP=DKP, HG=triton.next_power_of_2(H // G), HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
                TREE=tree["TREE"], MAXD=cache.max_draft, **launch.due_scan(b, listed))
     FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "mamba2")
     read_after = launch.read_copy_after_fold(cache)
@@ -316,12 +326,12 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     refresh_consts = dict(T=T, L=cache.window, LP=LP, DV=P, DK=N, DKP=DKP, FR=FR, KC=KC, STAGES=shape.stages,
                           READ_AFTER=read_after, ROUNDS=rounds, num_warps=shape.refresh_warps, **consts)
     step_args = (slots, cursors, cache.tokens, cache.seeds, fold_w, fold_decay, *anchor, *read,
-                 buf["x"], buf["dt"], buf["log_alpha"], buf["B"],
-                 x, *strides(x), dt, log_alpha, C, *strides(C), x if D is None else D, launch.head_stride(D),
-                 x if z is None else z, *strides(x if z is None else z), scores, anc, y, due, cache.scratch_row, H, G)
+                 buf["x"], buf["B"], x, *strides(x), C, *strides(C), x if D is None else D, launch.head_stride(D),
+                 x if z is None else z, *strides(x if z is None else z), scores, gammas, y, due, cache.scratch_row, H,
+                 G)
     step_consts = dict(T=T, L=cache.window, LP=LP, DV=P, DK=N, DKP=DKP, BV=shape.rows, FR=FR, KC=KC,
                        HAS_D=D is not None, HAS_Z=z is not None, PIN=shape.pin, STAGES=shape.stages,
-                       READ_AFTER=read_after, TREE=tree["TREE"], num_warps=shape.warps, **consts)
+                       READ_AFTER=read_after, num_warps=shape.warps, **consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
     due_work = [(_mamba2_refresh_kernel, (P // FR, H, programs), refresh, refresh_consts)] if shape.split else []
     launch.step_launches(_mamba2_step_kernel, (P // shape.rows, H), b, shape, programs, rounds, step_args,
