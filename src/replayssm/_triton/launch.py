@@ -492,6 +492,12 @@ def _uses_nvfp4(cache) -> bool:
     return "nvfp4" in {cache.precision.anchor.name, cache.precision.read_format.name}
 
 
+#: Warps per program of the Mamba-2 and GDN scores launches, whose per-head weights are [heads, LP]
+#: tiles (H200, batch 256, us per launch at 2 / 4 / 8 warps: GDN verify of T = 4 42.8 / 55.8 / 67.4,
+#: decode 11.6 / 14.0 / 19.5; Mamba-2 verify 22.8 / 26.3 / 32.8, decode 10.5 / 10.6 / 13.6).
+SCORES_WARPS = 2
+
+
 #: Smallest batch whose steps may refresh in a launch of their own (``StepShape.split``): below it a
 #: step is bound by launch latency, and a branch saves a launch (H200, GDN s32_rs, us per step,
 #: split -> branch: batch 1 7.9 -> 7.4, batch 32 76.2 -> 74.5).

@@ -6,9 +6,10 @@ and key head, times each value head's decays into the step's weights; the list o
 refresh), ``_gdn_solve_kernel`` (for the slots due only:
 the decays and the inverse of the residual system), ``_gdn_step_kernel`` (one program per block
 of state rows, value head and batch row; GDN's residuals are separable over state rows) and
-``launch.advance`` (shared buffer fields k, g, beta and the cursors). Where the launch policy puts the slots due beside the others
-(``launch.StepShape.beside``), their solve and a step launch over them only, each program refreshing
-its rows first, run on a side stream beside the step launch over the other slots.
+``launch.advance`` (shared buffer fields k, g, beta and the cursors). Where the launch policy puts
+the slots due beside the others (``launch.StepShape.beside``), their solve and a step launch over
+them only, each program refreshing its rows first, run on a side stream beside the step launch
+over the other slots.
 
 A program whose slot is due re-solves the committed residuals from the *anchor*. With c_j the log
 decay from the checkpoint through entry j and g(i, j] the one between entries, the residuals solve
@@ -475,7 +476,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
                DKP=DKP, RATIO=HV // HK, NORM=normalize,
                GATE=gate is not None, HAS_DTB=gate is not None and gate[3] is not None,
                RP=triton.next_power_of_2(HV // HK), TREE=parents is not None, MAXD=cache.max_draft,
-               **launch.due_scan(b, True))
+               num_warps=launch.SCORES_WARPS, **launch.due_scan(b, True))
     programs, rounds = launch.refresh_grid(b, T, cache.window)
     solve = (slots, cursors, due, buf["k"], buf["g"], buf["beta"], tinv, decays, HK, HV)
     solve_consts = dict(L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, RP=triton.next_power_of_2(HV // HK),

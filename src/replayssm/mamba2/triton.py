@@ -2,9 +2,10 @@
 
 A step is three launches (``_triton/launch.py``): ``_mamba2_scores_kernel`` (the input
 preparation dt = softplus(dt + dt_bias), A dt; B_j . C_s over the window, times each head's
-decays and step sizes into the step's weights; for slots whose window is full, the fold weights), ``_mamba2_step_kernel`` (one program per block of state rows, head and
-batch row) and ``launch.advance`` (shared buffer fields and cursors). Where the launch policy puts
-the slots due beside the others (``launch.StepShape.beside``), a step launch over them only runs on
+decays and step sizes into the step's weights; for slots whose window is full, the fold weights),
+``_mamba2_step_kernel`` (one program per block of state rows, head and batch row) and
+``launch.advance`` (shared buffer fields and cursors). Where the launch policy puts the slots due
+beside the others (``launch.StepShape.beside``), a step launch over them only runs on
 a side stream beside the step launch over the other slots (after their refresh launch, where the
 shape splits it).
 
@@ -316,8 +317,9 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
                B, *strides(B), C, *strides(C), scores, fold_w, fold_decay, dt_in, *strides(dt_in)[:3],
                A if dt_bias is None else dt_bias, launch.head_stride(dt_bias), A, launch.head_stride(A), dt,
                log_alpha, gammas, due, tree["parents"], cache.draft_gaps, cache.scratch_row, b, H, G, T=T,
-               L=cache.window, LP=LP, DK=N, DKP=DKP, HG=triton.next_power_of_2(H // G), HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
-               TREE=tree["TREE"], MAXD=cache.max_draft, **launch.due_scan(b, listed))
+               L=cache.window, LP=LP, DK=N, DKP=DKP, HG=triton.next_power_of_2(H // G), HAS_BIAS=dt_bias is not None,
+               SOFTPLUS=bool(dt_softplus), TREE=tree["TREE"], MAXD=cache.max_draft, num_warps=launch.SCORES_WARPS,
+               **launch.due_scan(b, listed))
     FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "mamba2")
     read_after = launch.read_copy_after_fold(cache)
     programs, rounds = launch.refresh_grid(b, T, cache.window)
