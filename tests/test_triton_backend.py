@@ -3,10 +3,15 @@ against the float64 recurrence and against the PyTorch backend: decode across re
 speculative rounds with every accept count, pad slots, slots at different window positions,
 and the two-precision invariants. Geometries are small: dims of 16 and 32 mostly, and heads of any
 dims (``ANY_DIMS``)."""
+import importlib
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 import helpers  # noqa: E402
 import replayssm as rs  # noqa: E402
@@ -101,6 +106,25 @@ def test_triton_s32_matches_float64_reference(arch, variant):
     helpers.record(f"triton {arch} s32_rs max rel err", tr.max_rel)
     assert tr.max_rel <= 2e-5, tr.max_rel
     assert tr.state_error([0, 1, 2]) <= 1e-5
+
+
+@triton.jit
+def _decays_one_entry_early(G, G_next, path, path_next):
+    """``decay.path_decays`` with entry j's own log decay counted in g(j, t] (the suffix sum from
+    j instead of after it)."""
+    seg = tl.cumsum(tl.where(path[None, :], G, 0.0), 1, reverse=True)
+    return tl.exp(tl.where(path[None, :], seg, float("-inf"))), tl.exp(tl.sum(tl.where(path[None, :], G, 0.0), 1))
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
+def test_a_scores_launch_whose_decays_start_one_entry_early_is_detected(arch, monkeypatch):
+    """The step kernels take every decay from the scores launch's weights: with each segment
+    starting one entry early, the outputs leave the float64 recurrence far behind."""
+    monkeypatch.setattr(importlib.import_module(f"replayssm.{arch}.triton"), "path_decays", _decays_one_entry_early)
+    layer = TritonLayer(arch)
+    tr = helpers.Tracker(layer, layer.cache(4, window=16, max_draft=4), seed=3)
+    _schedule(tr, rounds=2, rng=None)
+    assert tr.max_rel > 100 * 2e-5, tr.max_rel
 
 
 @pytest.mark.parametrize("arch", ["mamba2", "gdn"])
