@@ -450,6 +450,9 @@ class StepShape(NamedTuple):
 #:   registers the row-reduction kernels run 8 warps per SM, and every way found to run more costs
 #:   more than it gains.
 #:
+#: - verify of T = 4 once the scores launches weigh the windows (2026-12, us per round): GDN s32_rs
+#:   694.7 with 2-warp refresh programs and 3 fold stages (4 warps 836.4, 1 warp 783.2; 2 stages
+#:   717.0, 4 stages 702.7); Mamba-2 s32_rs 603.2 (4 warps 650.9, 1 warp 600.1, 2 stages 612.0).
 #: - GDN decode from fp16 read copies pins 16 elements per thread, as fp32 and bf16 do (2026-12, once
 #:   the decays moved into the scores launch: 314.5 against 325.0 us with 8; the step kernel then
 #:   took 254 registers with 8).
