@@ -453,6 +453,11 @@ class StepShape(NamedTuple):
 #: - verify of T = 4 once the scores launches weigh the windows (2026-12, us per round): GDN s32_rs
 #:   694.7 with 2-warp refresh programs and 3 fold stages (4 warps 836.4, 1 warp 783.2; 2 stages
 #:   717.0, 4 stages 702.7); Mamba-2 s32_rs 603.2 (4 warps 650.9, 1 warp 600.1, 2 stages 612.0).
+#: - Mamba-2 verify steps from fp32 and 2-byte read copies refresh as a branch of the step once the
+#:   scores launch weighs the windows (2026-12, us per round, against the refresh launch): s32_rs T = 4
+#:   568.7 (606.0), T = 2 401.3 (409.5); tp16_hi32 T = 4 508.3 (544.2), T = 2 325.5 (335.5); slower
+#:   from fp8 (T = 4 574.3 against 518.4) and NVFP4 (970.0 against 901.3). GDN verify stays a launch:
+#:   s32_rs 695.0 (a branch 779.4, a branch beside the others 706.0, the launch beside 709.5).
 #: - GDN decode from fp16 read copies pins 16 elements per thread, as fp32 and bf16 do (2026-12, once
 #:   the decays moved into the scores launch: 314.5 against 325.0 us with 8; the step kernel then
 #:   took 254 registers with 8).
@@ -466,9 +471,11 @@ BASE_SHAPE = StepShape(rows=32, warps=1, pin=0, output_dot=False, stream=0, spli
 _VERIFY_DOT = dict(output_dot=True, stream=3)
 _BESIDE = dict(split=False, beside=True)  # the slots due beside the others, each refresh a branch of its step
 SHAPES = {
-    ("mamba2", "fp32"): ((1, dict(split=False, stages=2)), (2, dict(pin=16))),
-    ("mamba2", "fp16"): ((1, dict(pin=16, split=False, stages=2, maxnreg=168, beside=True)), (2, dict(pin=16))),
-    ("mamba2", "bf16"): ((1, dict(pin=16, split=False, stages=2, maxnreg=168, beside=True)), (2, dict(pin=16))),
+    ("mamba2", "fp32"): ((1, dict(split=False, stages=2)), (2, dict(pin=16, split=False))),
+    ("mamba2", "fp16"): ((1, dict(pin=16, split=False, stages=2, maxnreg=168, beside=True)),
+                         (2, dict(pin=16, split=False))),
+    ("mamba2", "bf16"): ((1, dict(pin=16, split=False, stages=2, maxnreg=168, beside=True)),
+                         (2, dict(pin=16, split=False))),
     ("mamba2", "fp8_e4m3"): ((1, dict(beside=True)), (2, {})),
     ("mamba2", "nvfp4"): ((1, dict(warps=4, refresh_warps=4)),),
     ("gdn", "fp32"): ((1, dict(pin=16, refresh_maxnreg=128, **_BESIDE)),
