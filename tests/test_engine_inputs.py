@@ -177,6 +177,7 @@ def _engine_call(arch, view):
     cache = layer.cache(3, window=4)
     cache.check_values = False  # value checks read the inputs; a step under graph capture skips them
     tok = {k: v[:, 0] for k, v in layer.tokens(helpers.generator(11), 3, 1).items()}
+    cache.follow_inputs(tok["x" if arch == "mamba2" else "v"].dtype)  # as an engine does before capture
     if not view:
         tok = {k: v.contiguous() for k, v in tok.items()}
     slots = torch.tensor([0, -1, 2])

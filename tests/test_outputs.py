@@ -12,17 +12,19 @@ pytest.importorskip("triton")
 
 GEOMETRY = {"mamba2": dict(nheads=4, headdim=16, dstate=32, ngroups=2),
             "gdn": dict(num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=16)}
+GEOMETRY["kda"] = GEOMETRY["gdn"]
 
 
 def _run(layer, cache, slots, tok, backend, verify, **kw):
     fn = {("mamba2", False): rs.mamba2_decode, ("mamba2", True): rs.mamba2_verify,
-          ("gdn", False): rs.gdn_decode, ("gdn", True): rs.gdn_verify}[(layer.name, verify)]
+          ("gdn", False): rs.gdn_decode, ("gdn", True): rs.gdn_verify,
+          ("kda", False): rs.kda_decode, ("kda", True): rs.kda_verify}[(layer.name, verify)]
     consts = layer._consts() if layer.name == "mamba2" else {"use_qk_l2norm": True}
     args = tok if verify else {k: v[:, 0] for k, v in tok.items()}
     return fn(cache, slots, **args, **consts, backend=backend, **kw)
 
 
-@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
+@pytest.mark.parametrize("arch", ["mamba2", "gdn", "kda"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_output_dtype_and_out_change_nothing_but_the_output(arch, backend):
     """Decode and verify with fp16 / bf16 outputs and into preallocated tensors (a contiguous one
@@ -66,7 +68,7 @@ def test_output_dtype_and_out_change_nothing_but_the_output(arch, backend):
     assert all(helpers.snapshot_diff(snaps[0], s) == [] for s in snaps[1:])
 
 
-@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
+@pytest.mark.parametrize("arch", ["mamba2", "gdn", "kda"])
 def test_bad_output_arguments_name_the_argument_and_change_nothing(arch):
     layer = helpers.make_layer(arch, 0, **GEOMETRY[arch])
     g = helpers.generator(32)

@@ -324,7 +324,7 @@ def test_fresh_storage_and_scratch_row_are_zero(precision):
     """Without poisoning, two caches built alike hold identical (zero) bytes, scratch row
     included, whatever the allocator hands out; with poisoning, the scratch row is still zero."""
     layer = make_layer("mamba2")
-    build = lambda: layer.cache(3, window=4, precision=precision)  # noqa: E731
+    build = lambda: layer.cache(3, window=4, precision=precision, buffer_dtype=torch.float32)  # noqa: E731
     with rs.poison_fresh_allocations(False):
         _dirty_heap(build)
         a = build()

@@ -73,7 +73,7 @@ def _pending_state(cache, slots):
     rows = torch.tensor(slots)
     snap = snapshot(cache, rows)
     h = cache.counters(rows)["committed"].tolist()
-    for name, buf in cache.buffer.items():
+    for name, buf in (cache.buffer or {}).items():  # None before the first decode or verify
         snap[name + ".committed"] = torch.cat([buf[r, :n].reshape(-1).view(torch.uint8).clone()
                                                for r, n in zip(slots, h)])
     return {k: v for k, v in snap.items() if not k.startswith("buffer.")}
@@ -106,7 +106,7 @@ def test_zero_acceptance_teeth(arch, monkeypatch):
     """Teeth: an accept that folds the (empty) history into a new checkpoint is caught, because
     the read copy is re-derived from the rounded anchor."""
     layer = make_layer(arch)
-    cache = layer.cache(2, window=8, precision="tp4_hi16_sr")
+    cache = layer.cache(2, window=8, precision="tp4_hi16_sr", buffer_dtype=torch.float32)
     orig = cache.accept
 
     def accept_and_fold(slots, n):

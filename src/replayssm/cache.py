@@ -9,7 +9,11 @@ to, so that a batch with pads needs no host-side filtering and no branch):
   ``None`` when the precision is shared (outputs then read the anchor).
 - ``buffer``: dict of per-token replay entries, each [rows, window, ...]; entry ``p`` of a slot
   holds the token at position ``p`` after its checkpoint. Positions ``[0, committed)`` are
-  committed, ``[committed, committed + pending)`` are drafts awaiting ``accept``.
+  committed, ``[committed, committed + pending)`` are drafts awaiting ``accept``. The fields that
+  hold inputs as given (Mamba-2's x and B, GDN's and KDA's v) have ``buffer_dtype``; by default
+  (``buffer_dtype=None``) that is the dtype of the first decode or verify call's inputs, so bf16
+  activations are buffered as bf16 (exactly, in half the bytes of fp32) and fp32 ones as fp32. Until
+  that call the buffer is ``None``: nothing was ever buffered.
 - cursors, each [rows]: ``committed`` (int32, h), ``pending`` (int32, T of the pending verify),
   ``refreshes`` (int64), ``tokens`` (int64, committed tokens since ``load_state``; the logical
   time that keys stochastic rounding), ``seeds`` (int64, per-slot rounding seed).
@@ -40,6 +44,7 @@ from .backend import pick_backend
 from .formats import random_bits
 from .precision import Precision, get_precision
 
+_DTYPE_NAMES = {"None": None, **{str(d): d for d in checks.FLOAT_DTYPES}}  # config()'s buffer_dtype
 ROW_BLOCK = 32  #: rows of a head's state per storage block (see ``ReplayCache.__init__``)
 
 # Per thread, so that one thread's test switch never changes the caches another thread builds.
@@ -100,8 +105,9 @@ def _where_rows(mask, new, old):
 class ReplayCache:
     """Base class of ``Mamba2Cache`` and ``GDNCache``.
 
-    Subclasses set ``kind``, the geometry, ``buffer_fields`` (name -> (per-token shape, dtype))
-    and implement ``_fold`` (the committed state from a checkpoint and buffered entries).
+    Subclasses set ``kind``, the geometry, ``buffer_fields`` (name -> (per-token shape, dtype);
+    dtype ``None`` for the fields that hold inputs as given: they take ``buffer_dtype``) and
+    implement ``_fold`` (the committed state from a checkpoint and buffered entries).
     """
 
     kind = "base"
@@ -114,13 +120,16 @@ class ReplayCache:
         checks.check_int("seed", seed, 0)
         if max_draft > window:
             raise ValueError(f"max_draft ({max_draft}) must be <= window ({window})")
-        if buffer_dtype not in checks.FLOAT_DTYPES:
-            raise ValueError(f"buffer_dtype must be one of {checks.FLOAT_DTYPES}, got {buffer_dtype}")
+        if buffer_dtype is not None and buffer_dtype not in checks.FLOAT_DTYPES:
+            raise ValueError(f"buffer_dtype must be None (the inputs' dtype) or one of {checks.FLOAT_DTYPES}, "
+                             f"got {buffer_dtype}")
         self.num_slots, self.nheads, self.dv, self.dk = num_slots, nheads, dv, dk
         self.window, self.max_draft = window, max_draft
         self.precision: Precision = get_precision(precision)
         self.device = torch.empty(0, device=device).device  # 'cuda' -> 'cuda:0', as tensors report it
         self.buffer_dtype = buffer_dtype
+        self.follows_inputs = buffer_dtype is None  # the first decode or verify picks buffer_dtype
+        self._buffer_fields = buffer_fields
         self.seed = seed
         self.check_values = True
         rows = num_slots + 1
@@ -134,8 +143,7 @@ class ReplayCache:
         self.anchor = self._alloc_parts(self.precision.anchor, shape, poison)
         self.read_copy = (None if self.precision.shared
                           else self._alloc_parts(self.precision.read, shape, poison))
-        self.buffer = {name: _alloc((rows, window, *tail), dtype, self.device, poison)
-                       for name, (tail, dtype) in buffer_fields.items()}
+        self.buffer = None if buffer_dtype is None else self._alloc_buffer(buffer_dtype, poison)
         for t in self._storage():  # pads write and read here: deterministic, even when poisoned
             t[self.scratch_row].zero_()
         self.committed = torch.zeros(rows, dtype=torch.int32, device=self.device)
@@ -155,8 +163,30 @@ class ReplayCache:
                     t.fill_(float("nan"))
         return parts
 
+    def _alloc_buffer(self, dtype, poison):
+        buf = {name: _alloc((self.num_slots + 1, self.window, *tail), dtype if d is None else d, self.device, poison)
+               for name, (tail, d) in self._buffer_fields.items()}
+        for t in buf.values():
+            t[self.scratch_row].zero_()
+        return buf
+
+    def follow_inputs(self, dtype) -> None:
+        """Give the buffer its dtype from the inputs of the first decode or verify (the calls do
+        this; ``dtype`` is x's for Mamba-2, v's for GDN and KDA). A no-op once the buffer exists.
+        Allocates: call it before capturing a CUDA graph, or decode once first."""
+        if dtype not in checks.FLOAT_DTYPES:
+            raise ValueError(f"dtype must be one of {checks.FLOAT_DTYPES}, got {dtype}")
+        if self.buffer is None:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                # a captured allocation would replay its zero fill at every replay, wiping the buffer
+                raise ValueError("the replay buffer of a cache with buffer_dtype=None is allocated by its first "
+                                 "decode or verify: call cache.follow_inputs(dtype) (or decode once) before "
+                                 "capturing a CUDA graph")
+            self.buffer = self._alloc_buffer(dtype, _poisoning())
+            self.buffer_dtype = dtype
+
     def _storage(self):
-        parts = [*self.anchor.values(), *self.buffer.values()]
+        parts = [*self.anchor.values(), *(self.buffer or {}).values()]
         return parts + ([] if self.read_copy is None else list(self.read_copy.values()))
 
     # ---- geometry ------------------------------------------------------------------------
@@ -166,11 +196,13 @@ class ReplayCache:
         return (self.nheads, self.dv, self.dk)
 
     def bytes_per_slot(self) -> dict:
-        """Physical bytes of one slot: anchor, read copy, replay buffer."""
+        """Physical bytes of one slot: anchor, read copy, replay buffer (before the first decode
+        or verify of a cache that follows its inputs: the buffer of fp32 inputs, an upper bound)."""
         def nbytes(parts):
             return 0 if parts is None else sum(t[0].numel() * t.element_size() for t in parts.values())
-        return {"anchor": nbytes(self.anchor), "read_copy": nbytes(self.read_copy),
-                "buffer": nbytes(self.buffer)}
+        buffer = nbytes(self.buffer) if self.buffer is not None else sum(
+            self.window * math.prod(tail) * (d or torch.float32).itemsize for tail, d in self._buffer_fields.values())
+        return {"anchor": nbytes(self.anchor), "read_copy": nbytes(self.read_copy), "buffer": buffer}
 
     # ---- slot plumbing -------------------------------------------------------------------
     def rows_of(self, slots):
@@ -272,8 +304,11 @@ class ReplayCache:
         committed buffer; the cache is not modified. Pad rows are zero."""
         slots = checks.slot_ids(self, slots)
         rows, valid = self.rows_of(slots)
-        h = torch.where(valid, self.committed[rows].long(), 0)
-        state = self._fold(self.decode_anchor(rows), self.gather(rows, h), h)
+        if self.buffer is None:  # nothing was ever buffered: the checkpoint is the state
+            state = self.decode_anchor(rows)
+        else:
+            h = torch.where(valid, self.committed[rows].long(), 0)
+            state = self._fold(self.decode_anchor(rows), self.gather(rows, h), h)
         return _where_rows(valid, state, torch.zeros_like(state))
 
     def refresh(self, rows, need):
@@ -300,6 +335,8 @@ class ReplayCache:
         slots = checks.slot_ids(self, slots)
         num_accepted = checks.accepted_counts(self, slots, num_accepted)
         path = checks.accepted_path(self, slots, num_accepted, path)
+        if self.buffer is None:  # no verify ever ran: nothing is pending, there is nothing to commit
+            return
         kind = pick_backend(self, backend)
         rows, valid = self.rows_of(slots)
         if path is not None and kind != "triton":
@@ -344,11 +381,11 @@ class ReplayCache:
         return {name: getattr(self, name)[rows].long()
                 for name in ("committed", "pending", "refreshes", "tokens")}
 
-    def _tensors(self) -> dict:
+    def _tensors(self, buffer=...) -> dict:
         out = {f"anchor.{k}": v for k, v in self.anchor.items()}
         if self.read_copy is not None:
             out.update({f"read_copy.{k}": v for k, v in self.read_copy.items()})
-        out.update({f"buffer.{k}": v for k, v in self.buffer.items()})
+        out.update({f"buffer.{k}": v for k, v in ((self.buffer if buffer is ... else buffer) or {}).items()})
         for name in ("committed", "pending", "refreshes", "tokens", "seeds", "draft_gaps"):
             out[name] = getattr(self, name)
         return out
@@ -360,7 +397,9 @@ class ReplayCache:
                 "precision_spec": describe_precision(self.precision)}
 
     def state_dict(self) -> dict:
-        """Every tensor of the cache (cloned) plus its configuration; round-trips bit-exactly."""
+        """Every tensor of the cache (cloned) plus its configuration; round-trips bit-exactly.
+        A cache that follows its inputs (``buffer_dtype=None``) loads the dict of any buffer dtype,
+        or of none yet, and takes it on."""
         out = {k: v.clone() for k, v in self._tensors().items()}
         out["config"] = self.config()
         return out
@@ -373,9 +412,18 @@ class ReplayCache:
         unchanged."""
         if not isinstance(sd, dict):
             raise ValueError(f"state_dict must be a dict from state_dict(), got {type(sd).__name__}")
-        if sd.get("config") != self.config():
-            raise ValueError(f"state_dict config {sd.get('config')} does not match this cache {self.config()}")
-        mine = self._tensors()
+        config, buffer, dtype = self.config(), self.buffer, self.buffer_dtype
+        theirs = sd.get("config")
+        if self.follows_inputs and isinstance(theirs, dict) and theirs.get("buffer_dtype") in _DTYPE_NAMES:
+            config["buffer_dtype"] = theirs["buffer_dtype"]
+            dtype = _DTYPE_NAMES[theirs["buffer_dtype"]]
+            if dtype is None:
+                buffer = None
+            elif dtype != self.buffer_dtype:  # fresh storage; the current one stays until every check passed
+                buffer = self._alloc_buffer(dtype, False)
+        if theirs != config:
+            raise ValueError(f"state_dict config {theirs} does not match this cache {self.config()}")
+        mine = self._tensors(buffer)
         extra = sorted(set(sd) - set(mine) - {"config"})
         if extra:
             raise ValueError(f"state_dict entries {extra} are not entries of this cache")
@@ -385,19 +433,23 @@ class ReplayCache:
                 raise ValueError(f"state_dict entry {k!r} is missing or has the wrong shape/dtype")
             if v.is_meta:  # holds no data: its copy would fail after earlier entries were copied
                 raise ValueError(f"state_dict entry {k!r} is on the meta device (no data)")
-        self._check_cursors({k: sd[k] for k in ("committed", "pending", "refreshes", "tokens")})
+        self._check_cursors({k: sd[k] for k in ("committed", "pending", "refreshes", "tokens")}, buffer is None)
         gaps = sd["draft_gaps"].long()
         if bool(((gaps < 0) | (gaps > torch.arange(self.max_draft, device=gaps.device))).any()):
             raise ValueError("state_dict entry 'draft_gaps' must lie in [0, s] for draft s "
                              "(a parent in [-1, s))")
+        self.buffer, self.buffer_dtype = buffer, dtype
         for k, t in mine.items():
             t.copy_(sd[k])
 
-    def _check_cursors(self, cur) -> None:
+    def _check_cursors(self, cur, unbuffered=False) -> None:
         """Cursor values that no sequence of calls produces would make a later step read or
-        write past a slot's window: refuse them (names the entry and the first bad row)."""
+        write past a slot's window: refuse them (names the entry and the first bad row).
+        ``unbuffered``: the dict has no buffer (no decode or verify ran), so nothing is buffered."""
         c, p = cur["committed"].long(), cur["pending"].long()
-        rules = [("committed", (c < 0) | (c > self.window), f"in [0, window={self.window}]"),
+        rules = [("committed", (c != 0) & unbuffered, "0 without a buffer"),
+                 ("pending", (p != 0) & unbuffered, "0 without a buffer"),
+                 ("committed", (c < 0) | (c > self.window), f"in [0, window={self.window}]"),
                  ("pending", (p < 0) | (p > self.max_draft), f"in [0, max_draft={self.max_draft}]"),
                  ("pending", c + p > self.window, f"at most window - committed (window={self.window})"),
                  ("refreshes", cur["refreshes"] < 0, ">= 0"),

@@ -15,7 +15,8 @@ class GDNCache(ReplayCache):
     packed decode); value head h reads key head h // (HV / HK). Buffer fields per token: raw
     ``k`` [HK, K] (fp32, after optional L2 norm) and ``v`` [HV, V] (buffer_dtype), ``g`` and ``beta``
     [HV] fp32 (kept raw so that refresh re-solves residuals from the anchor), and the read-path
-    residuals ``u`` [HV, V] fp32 (reused by later outputs of the same window).
+    residuals ``u`` [HV, V] fp32 (reused by later outputs of the same window). ``buffer_dtype``
+    None (default): v's dtype at the first decode or verify, so v is buffered exactly as given.
     """
 
     kind = "gdn"
@@ -26,7 +27,7 @@ class GDNCache(ReplayCache):
         return (num_v_heads,)
 
     def __init__(self, num_slots, num_k_heads, num_v_heads, head_k_dim, head_v_dim, window=16,
-                 max_draft=4, precision="s32_rs", device="cpu", buffer_dtype=torch.float32, seed=0):
+                 max_draft=4, precision="s32_rs", device="cpu", buffer_dtype=None, seed=0):
         for name, val in (("num_k_heads", num_k_heads), ("num_v_heads", num_v_heads),
                           ("head_k_dim", head_k_dim), ("head_v_dim", head_v_dim)):
             checks.check_int(name, val, 1)
@@ -37,7 +38,7 @@ class GDNCache(ReplayCache):
         f32 = torch.float32
         # k is stored in fp32: it is L2-normalized in fp32 before storage, and rounding the
         # normalized key to a 16-bit buffer would add an error the conventional kernel lacks
-        fields = {"k": ((num_k_heads, head_k_dim), f32), "v": ((num_v_heads, head_v_dim), buffer_dtype),
+        fields = {"k": ((num_k_heads, head_k_dim), f32), "v": ((num_v_heads, head_v_dim), None),
                   "g": (self.decay_shape(num_v_heads, head_k_dim), f32), "beta": ((num_v_heads,), f32),
                   "u": ((num_v_heads, head_v_dim), f32)}
         super().__init__(num_slots, num_v_heads, head_v_dim, head_k_dim, window=window,

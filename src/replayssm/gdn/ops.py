@@ -74,6 +74,7 @@ def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend,
     if scale is None:
         scale = cache.head_k_dim ** -0.5
     kind = pick_backend(cache, backend)
+    cache.follow_inputs(v.dtype)  # a cache with buffer_dtype=None buffers its inputs as given
     if slots.shape[0] == 0:  # nothing to compute or store; the kernels' grids would be empty
         return torch.zeros(v.shape, dtype=out_dtype, device=v.device) if out is None else out
     if kind == "triton":  # prepares q, k, g, beta inside its kernels

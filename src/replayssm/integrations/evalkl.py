@@ -57,7 +57,7 @@ def _summary(ref, lp, targets):
 
 
 def eval_kl(model, ids, presets=DEFAULT_PRESETS, prefix: int = 1, window: int = 16, seed: int = 0,
-            buffer_dtype=torch.float32, progress=None) -> dict:
+            buffer_dtype=None, progress=None) -> dict:
     """{preset: {mean_kl, p95_abs_dlogp, max_abs_dlogp, ppl, ppl_stock, positions}} for one text.
 
     ``model`` must not be patched (the stock reference runs first). ``ids`` LongTensor [1, n].

@@ -615,7 +615,7 @@ class ReplayPatch:
     """A model whose state-space layers decode through ReplaySSM; undo with ``unpatch()`` (or use
     it as a context manager). Create with ``patch(model, ...)``."""
 
-    def __init__(self, model, *, precision="s32_rs", window=16, max_draft=8, buffer_dtype=torch.float32,
+    def __init__(self, model, *, precision="s32_rs", window=16, max_draft=8, buffer_dtype=None,
                  seed=0, backend=None, check_values=True):
         if getattr(model, "_replayssm_patch", None) is not None:
             raise RuntimeError("this model is already patched by replayssm; unpatch it first")
@@ -764,13 +764,14 @@ class ReplayPatch:
         return False
 
 
-def patch(model, precision="s32_rs", window=16, max_draft=8, buffer_dtype=torch.float32, seed=0,
+def patch(model, precision="s32_rs", window=16, max_draft=8, buffer_dtype=None, seed=0,
           backend=None, check_values=True) -> ReplayPatch:
     """Route the decode steps of ``model``'s state-space layers through ReplaySSM.
 
     precision: a preset name (see ``rs.PRESETS``); window: L, tokens between checkpoint writes;
     max_draft: the most tokens one verify may carry (``speculative_generate`` needs num_draft + 1);
-    buffer_dtype: dtype of the replay buffer's large fields; seed: stochastic-rounding seed;
+    buffer_dtype: dtype of the replay buffer's large fields (None: the activations' dtype, stored exactly);
+    seed: stochastic-rounding seed;
     backend: None (Triton on CUDA when available, else PyTorch), "torch" or "triton".
     check_values: run the value checks of every ReplaySSM decode, verify and accept (slot ids,
     pending verifies, accept counts, decays); they synchronize with the device, so turn them off

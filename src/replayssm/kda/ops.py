@@ -26,42 +26,50 @@ def _check(cache, slots, q, k, v, g, beta, scale, backend, draft: bool):
     return gdn_ops._check(cache, slots, q, k, v, g, beta, scale, draft)
 
 
-def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend, parents=None):
-    """o fp32 [b, T, HV, V]. ``parents`` [b, T] (validated by ``checks.draft_parents``) for a tree
-    verify."""
+def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend, out, out_dtype, parents=None):
+    """o [b, T, HV, V] of ``out_dtype``, written into ``out`` ([b, T, HV, V] view) when given.
+    ``parents`` [b, T] (validated by ``checks.draft_parents``) for a tree verify."""
     if scale is None:
         scale = cache.head_k_dim ** -0.5
     kind = pick_backend(cache, backend)
+    cache.follow_inputs(v.dtype)  # a cache with buffer_dtype=None buffers its inputs as given
     if slots.shape[0] == 0:  # nothing to compute or store; the kernels' grids would be empty
-        return torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+        return torch.zeros(v.shape, dtype=out_dtype, device=v.device) if out is None else out
     if kind == "triton":  # prepares q, k inside its kernels
         from . import triton as kernels
-        o = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-        return kernels.step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, o, parents)
+        o = out if out is not None and out.is_contiguous() else torch.empty(v.shape, dtype=out_dtype, device=v.device)
+        kernels.step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, o, parents)
+        return o if out is None or o is out else out.copy_(o)
     q, k = (l2norm(q), l2norm(k)) if use_qk_l2norm else (q.float(), k.float())
     q = q * scale
     entries = {"k": k, "v": v, "g": g.float(), "beta": beta.float()}
-    return torch_step(cache, slots, q.shape[1], entries,
-                      lambda state, buf, h, vis=None: replay.outputs(state, buf, h, q, vis), commit, parents)
+    o = torch_step(cache, slots, q.shape[1], entries,
+                   lambda state, buf, h, vis=None: replay.outputs(state, buf, h, q, vis), commit, parents)
+    return o.to(out_dtype) if out is None else out.copy_(o)
 
 
 @torch.no_grad()
-def kda_decode(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, backend=None):
+def kda_decode(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, backend=None, out=None,
+               out_dtype=None):
     """One decode token per slot; refreshes the checkpoint when the window is full.
 
     slots int32/int64 [b] (-1 = pad); q, k [b, HK, K]; v [b, HV, V]; g [b, HV, K] (per-channel
     log decay <= 0); beta [b, HV]. Inputs fp32/fp16/bf16, any strides, read in place on both
     backends (no copy): q, k, v may be views of one packed projection, g and beta of another.
     ``backend`` None, "torch" or "triton".
-    Returns o fp32 [b, HV, V] (zero for pads).
+    Returns o [b, HV, V] (zero for pads), fp32 unless ``out_dtype`` (fp16/bf16: the kernels store
+    the rounded outputs); written into ``out`` when given.
     """
     slots = _check(cache, slots, q, k, v, g, beta, scale, backend, draft=False)
-    u = lambda t: t.unsqueeze(1)  # noqa: E731
-    return _step(cache, slots, u(q), u(k), u(v), u(g), u(beta), scale, use_qk_l2norm, True, backend)[:, 0]
+    dtype = checks.output_spec(out, out_dtype, tuple(v.shape), cache.device)
+    u = lambda t: None if t is None else t.unsqueeze(1)  # noqa: E731
+    o = _step(cache, slots, u(q), u(k), u(v), u(g), u(beta), scale, use_qk_l2norm, True, backend, u(out), dtype)
+    return o[:, 0] if out is None else out
 
 
 @torch.no_grad()
-def kda_verify(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, backend=None, parents=None):
+def kda_verify(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, backend=None, parents=None,
+               out=None, out_dtype=None):
     """Verify T drafts per slot, output-only; nothing is committed until ``cache.accept``.
 
     q, k [b, T, HK, K]; v [b, T, HV, V]; g [b, T, HV, K]; beta [b, T, HV]; any strides, as in
@@ -69,8 +77,9 @@ def kda_verify(cache, slots, q, k, v, g, beta, scale=None, use_qk_l2norm=False, 
     parents int32/int64 [b, T] for a draft tree (None: a chain), as in ``gdn_verify``: each
     draft's per-channel decays, residual and output are those of its own ancestor chain (both
     backends; Triton: at most 32 drafts).
-    Returns o fp32 [b, T, HV, V].
+    Returns o [b, T, HV, V] (``out``, ``out_dtype`` as in decode).
     """
     slots = _check(cache, slots, q, k, v, g, beta, scale, backend, draft=True)
+    dtype = checks.output_spec(out, out_dtype, tuple(v.shape), cache.device)
     parents = checks.draft_parents(cache, slots, parents, q.shape[1], pick_backend(cache, backend))
-    return _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, False, backend, parents)
+    return _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, False, backend, out, dtype, parents)

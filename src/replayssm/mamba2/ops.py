@@ -48,6 +48,7 @@ def _step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, commit, back
     """y [b, T, H, P] of ``out_dtype``, written into ``out`` ([b, T, H, P] view) when given.
     ``parents`` [b, T] (validated by ``checks.draft_parents``) for a tree verify."""
     kind = pick_backend(cache, backend)
+    cache.follow_inputs(x.dtype)  # a cache with buffer_dtype=None buffers its inputs as given
     if slots.shape[0] == 0:  # nothing to compute or store; the kernels' grids would be empty
         return torch.zeros(x.shape, dtype=out_dtype, device=x.device) if out is None else out
     if kind == "triton":  # prepares dt and the log decay inside its kernels, reading every input in place
