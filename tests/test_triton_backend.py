@@ -319,6 +319,7 @@ def test_a_triton_step_is_three_or_four_launches_and_no_pytorch_compute(arch):
         cache = rs.GDNCache(2, 2, 4, 32, 16, window=4)
         args = (bf(3, 2, 32), bf(3, 2, 32), bf(3, 4, 16), -torch.rand(3, 4, generator=g), bf(3, 4))
         call = rs.gdn_decode
+    cache.follow_inputs(torch.bfloat16)  # the buffer of the bf16 inputs, allocated ahead as before a capture
     cache.check_values = False
     for split, beside in ((False, False), (True, False), (False, True), (True, True)):
         launches = []

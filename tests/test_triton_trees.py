@@ -93,7 +93,7 @@ def test_triton_accept_moves_entries_like_torch_accept():
 
     for arch in ARCHS:
         base = helpers.make_layer(arch, 0, **TREE_GEOMETRY[arch])
-        caches = [base.cache(9, window=12, max_draft=5) for _ in range(2)]
+        caches = [base.cache(9, window=12, max_draft=5, buffer_dtype=torch.float32) for _ in range(2)]
         slots = torch.tensor([3, -1, 0, 7, 8, 5, -1, 1, 2])
         for c in caches:
             trees, counts, paths = _fill_pending_trees(c, helpers.generator(4), slots.tolist(), 5)
