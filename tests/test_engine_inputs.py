@@ -189,7 +189,7 @@ def _engine_call(arch, view):
             A, D, dt_bias = A[:, None, None].expand(H, P, N), D[:, None].expand(H, P), dt_bias[:, None].expand(H, P)
             dt = dt[..., None].expand(*dt.shape, P)
         reads = {"_mamba2_scores_kernel": [tok["B"], tok["C"], dt, A, dt_bias],
-                 "_mamba2_step_kernel": [tok["x"], tok["C"], D, tok["z"]], "advance_kernel": [tok["B"]]}
+                 "_mamba2_step_kernel": [tok["x"], tok["C"], D, tok["z"], tok["B"]]}
         return (lambda: rs.mamba2_decode(cache, slots, tok["x"], dt, A, tok["B"], tok["C"], D, tok["z"], dt_bias,
                                          True, backend="triton")), reads
     A_log, dt_bias = layer.gate_consts.unbind(1) if arch == "gdn" else (None, None)
@@ -198,8 +198,7 @@ def _engine_call(arch, view):
                  "_gdn_step_kernel": [tok["v"]]}
         return (lambda: rs.gdn_decode(cache, slots, **tok, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=True,
                                       backend="triton")), reads
-    reads = {"_kda_scores_kernel": [tok["q"], tok["k"], tok["g"]], "_kda_step_kernel": [tok["v"], tok["beta"]],
-             "advance_kernel": [tok["g"], tok["beta"]]}
+    reads = {"_kda_scores_kernel": [tok["q"], tok["k"], tok["g"]], "_kda_step_kernel": [tok["v"], tok["beta"], tok["g"]]}
     return (lambda: rs.kda_decode(cache, slots, **tok, use_qk_l2norm=True, backend="triton")), reads
 
 

@@ -56,7 +56,7 @@ sys.path.insert(0, sys.argv[1])
 import ptxas_report as pr
 
 for arch in ("mamba2", "gdn", "kda"):
-    for kernel, args, kw in pr.record_step(arch, "s32_rs")[:-1]:  # not advance: positional constexprs
+    for kernel, args, kw in pr.record_step(arch, "s32_rs"):
         for pdl in ((False, True) if kernel.fn.__name__.endswith("scores_kernel") else (True,)):
             code = pr.compile_sm90(kernel, args, dict(kw, PDL=pdl)).asm["ptx"]
             wait, load = code.find("griddepcontrol.wait"), code.find("ld.global")

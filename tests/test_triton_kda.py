@@ -219,7 +219,7 @@ def test_a_kernel_with_one_decay_for_all_channels_fails_the_check(monkeypatch):
 
 @pytest.mark.parametrize("split", [False, True])
 def test_a_triton_kda_step_is_three_or_four_launches_and_no_pytorch_compute(split):
-    """With check_values off a decode step is the scores, (refresh,) step and advance launches;
+    """With check_values off a decode step is the scores, solve, (refresh,) and step launches;
     PyTorch only allocates outputs and scratch and makes views."""
     Ops = helpers.TorchOps
 
@@ -240,5 +240,5 @@ def test_a_triton_kda_step_is_three_or_four_launches_and_no_pytorch_compute(spli
         launch.LAUNCHER = launch._launch
         launch.TUNING.clear()
     refresh = ["_kda_refresh_kernel"] if split else []
-    assert launches == ["_kda_scores_kernel", "_kda_solve_kernel", *refresh, "_kda_step_kernel", "advance_kernel"]
+    assert launches == ["_kda_scores_kernel", "_kda_solve_kernel", *refresh, "_kda_step_kernel"]
     assert ops.names <= {"empty", "empty_like", "select", "unsqueeze", "view", "slice"}, ops.names

@@ -152,6 +152,9 @@ class ReplayCache:
         self.tokens = torch.zeros(rows, dtype=torch.int64, device=self.device)
         self.seeds = torch.full((rows,), seed, dtype=torch.int64, device=self.device)
         self.draft_gaps = torch.zeros(rows, max_draft, dtype=torch.int32, device=self.device)
+        # how many of a refreshing slot's step programs have finished the step (``launch.advance_row``):
+        # zero between steps, so neither state nor configuration
+        self.programs_done = torch.zeros(rows, dtype=torch.int32, device=self.device)
         # logical element index inside one slot's state: keys stochastic rounding
         self._offsets = torch.arange(nheads * dv * dk, device=self.device).view(nheads, dv // rb, rb, dk)
 

@@ -1,6 +1,7 @@
 """Launch plumbing shared by the Mamba-2, GDN and KDA kernels, and the launch policy.
 
-A step is three launches (GDN: four) with no host synchronization and no PyTorch work in between:
+A step is two launches (GDN and KDA: three) with no host synchronization and no PyTorch work in
+between:
 
 1. the architecture's scores kernel, one program per (batch row, group or key head): the input
    preparation (softplus and log decays; L2 norms and the query scale), the dot products of the
@@ -14,18 +15,18 @@ A step is three launches (GDN: four) with no host synchronization and no PyTorch
 2. the step kernel, one program per (block of state rows, head, batch row). A program whose slot
    is due folds its rows into a new checkpoint (from the anchor), encodes anchor and read copy
    from the same unrounded state, then computes its outputs from the read copy like every other
-   program; a refresh is a branch of the step, not a launch of its own;
-3. ``advance_kernel``, one program per batch row: the new tokens' *shared* buffer fields (read by
-   several programs of launch 2: B or k per group, dt/log decay/beta per head) and the cursors.
-   It must follow launch 2 because a refreshing slot writes its new tokens at positions 0..T-1,
-   which other programs of launch 2 are still folding.
+   program; a refresh is a branch of the step, not a launch of its own. One program per batch row
+   then advances it (``advance_row``): the new tokens' *shared* buffer fields (B or k per group,
+   dt/log decay/beta per head, read by several programs) and the cursors. For a slot folding in
+   this launch that is the last of its programs to finish, since the new tokens go to positions
+   0..T-1, which the others are still folding.
 
 Where the policy says so (``StepShape.beside``: GDN decode from fp32 and 2-byte read copies, GDN
 steps below batch 64 that expect a slot due, Mamba-2 decode from 2-byte and fp8 read copies), the
 slots due run on a side stream (``side_stream``): GDN's solve, a refresh launch where the shape
 splits it, then a step launch over them only (``DUE_ONLY``; its programs refresh first where the
 refresh is a branch), beside the step launch over the others (``NOT_DUE``); the current stream
-waits for both before ``advance_kernel``.
+waits for the side stream after its own step launch.
 
 Every launch goes through ``run``; at small batches (``programmatic``) each one is scheduled while
 the one before it drains, and waits for it before its first memory access (``after_previous_launch``).
@@ -81,34 +82,43 @@ def _copy_field(src_ptr, sb, st, sh, se, dst_ptr, pid, row, start, T: tl.constex
 
 
 @triton.jit
-def advance_kernel(slots_ptr, committed_ptr, pending_ptr, tokens_ptr, refreshes_ptr, s1, s1b: tl.constexpr,
-                   s1t: tl.constexpr, s1h: tl.constexpr, s1e: tl.constexpr, d1, s2, s2b: tl.constexpr,
-                   s2t: tl.constexpr, s2h: tl.constexpr, s2e: tl.constexpr, d2, s3, s3b: tl.constexpr,
-                   s3t: tl.constexpr, s3h: tl.constexpr, s3e: tl.constexpr, d3, SCRATCH, T: tl.constexpr,
-                   TP: tl.constexpr, L: tl.constexpr, COMMIT: tl.constexpr, F1: tl.constexpr, F1P: tl.constexpr,
-                   W1: tl.constexpr, F2: tl.constexpr, F2P: tl.constexpr, W2: tl.constexpr, F3: tl.constexpr,
-                   F3P: tl.constexpr, W3: tl.constexpr, PDL: tl.constexpr):
-    """Per batch row: the three shared buffer fields of the new tokens (s_i, a [b, T, ...] view of
-    strides s_ib, s_it, s_ih, s_ie, into the contiguous buffer d_i) and the cursors."""
-    after_previous_launch(PDL)
-    pid = tl.program_id(0)
-    slot = tl.load(slots_ptr + pid)
-    if slot >= 0:
-        h = tl.load(committed_ptr + slot)
-        need = h + T > L
-        start = tl.where(need, 0, h)
-        _copy_field(s1, s1b, s1t, s1h, s1e, d1, pid, slot, start, T, TP, L, F1, F1P, W1)
-        _copy_field(s2, s2b, s2t, s2h, s2e, d2, pid, slot, start, T, TP, L, F2, F2P, W2)
-        _copy_field(s3, s3b, s3t, s3h, s3e, d3, pid, slot, start, T, TP, L, F3, F3P, W3)
-        if need:
-            tl.store(refreshes_ptr + slot, tl.load(refreshes_ptr + slot) + 1)
-        if COMMIT:
-            tl.store(committed_ptr + slot, start + T)
-            tl.store(tokens_ptr + slot, tl.load(tokens_ptr + slot) + T)
-            tl.store(pending_ptr + slot, 0)
-        else:
-            tl.store(committed_ptr + slot, start)
-            tl.store(pending_ptr + slot, T)
+def advance_row(pid_b, valid, row, start, need, first, counted, tokens_ptr, committed_ptr, pending_ptr,
+                refreshes_ptr, done_ptr, s1, s1b: tl.constexpr, s1t: tl.constexpr, s1h: tl.constexpr,
+                s1e: tl.constexpr, d1, s2, s2b: tl.constexpr, s2t: tl.constexpr, s2h: tl.constexpr,
+                s2e: tl.constexpr, d2, s3, s3b: tl.constexpr, s3t: tl.constexpr, s3h: tl.constexpr,
+                s3e: tl.constexpr, d3, T: tl.constexpr, L: tl.constexpr, COMMIT: tl.constexpr, F1: tl.constexpr,
+                F1P: tl.constexpr, W1: tl.constexpr, F2: tl.constexpr, F2P: tl.constexpr, W2: tl.constexpr,
+                F3: tl.constexpr, F3P: tl.constexpr, W3: tl.constexpr):
+    """The last statement of a step program on batch row ``pid_b`` (storage ``row``, ``valid``: not
+    a pad): one program per batch row advances it, writing the new tokens' three shared buffer
+    fields (s_i, a [b, T, ...] view of strides s_ib, s_it, s_ih, s_ie, into the contiguous buffer
+    d_i [rows, L, F_i]) at positions ``start`` (h, or 0 after a refresh) .. start + T - 1, and the
+    cursors. Which program: where no program of the launch reads the row's buffered shared fields
+    (``counted`` false: no refresh folds in this launch), the ``first`` one (row block 0 of head 0);
+    otherwise the last of the row's programs to finish, counted in ``done`` [rows] (then reset to
+    zero), because the fold of the others reads the entries the new tokens overwrite. So the
+    advance needs no launch of its own."""
+    if valid:
+        go = first
+        if counted:
+            tl.debug_barrier()  # every thread of the program is done with the row's entries
+            go = tl.atomic_add(done_ptr + row, 1, sem="acq_rel") == tl.num_programs(0) * tl.num_programs(1) - 1
+            if go:
+                tl.store(done_ptr + row, 0)
+        if go:
+            TP: tl.constexpr = triton.next_power_of_2(T)
+            _copy_field(s1, s1b, s1t, s1h, s1e, d1, pid_b, row, start, T, TP, L, F1, F1P, W1)
+            _copy_field(s2, s2b, s2t, s2h, s2e, d2, pid_b, row, start, T, TP, L, F2, F2P, W2)
+            _copy_field(s3, s3b, s3t, s3h, s3e, d3, pid_b, row, start, T, TP, L, F3, F3P, W3)
+            if need:
+                tl.store(refreshes_ptr + row, tl.load(refreshes_ptr + row) + 1)
+            if COMMIT:
+                tl.store(committed_ptr + row, (start + T).to(committed_ptr.dtype.element_ty))
+                tl.store(tokens_ptr + row, tl.load(tokens_ptr + row) + T)
+                tl.store(pending_ptr + row, 0)
+            else:
+                tl.store(committed_ptr + row, start.to(committed_ptr.dtype.element_ty))
+                tl.store(pending_ptr + row, T)
 
 
 @triton.jit
@@ -324,17 +334,17 @@ def head_stride(t) -> int:
     return 0 if t is None else t.stride(0)
 
 
-def advance(cache, slots, T: int, commit: bool, shared_fields: dict):
-    """Launch ``advance_kernel``: write the shared buffer fields (name -> input [b, T, heads(,
-    width)], any strides) of the new tokens and move the cursors."""
-    b = slots.shape[0]
-    args, consts = [], []
-    for name, src in shared_fields.items():
+def advance_args(cache, commit: bool, shared_fields: dict) -> tuple[tuple, dict]:
+    """(arguments, constexprs) of ``advance_row`` for a step kernel: the cursors and the three
+    shared buffer fields (name -> input [b, T, heads(, width)], any strides) of the new tokens.
+    The arguments follow the step kernel's own, from ``committed_ptr`` on."""
+    args = [cache.committed, cache.pending, cache.refreshes, cache.programs_done]
+    consts = dict(COMMIT=commit)
+    for i, (name, src) in enumerate(shared_fields.items(), 1):
         F = math.prod(src.shape[2:])
         args += [src, *token_strides(src), cache.buffer[name]]
-        consts += [F, triton.next_power_of_2(F), src.shape[3] if src.dim() > 3 else 1]
-    run(advance_kernel, (b,), slots, cache.committed, cache.pending, cache.tokens, cache.refreshes, *args,
-        cache.scratch_row, T, triton.next_power_of_2(T), cache.window, commit, *consts)
+        consts.update({f"F{i}": F, f"F{i}P": triton.next_power_of_2(F), f"W{i}": src.shape[3] if src.dim() > 3 else 1})
+    return tuple(args), consts
 
 
 def format_args(cache):

@@ -1,15 +1,15 @@
 """Gated DeltaNet ReplaySSM Triton kernels: output-only decode/verify.
 
-A step is four launches (``_triton/launch.py``): ``_gdn_scores_kernel`` (the input preparation
+A step is three launches (``_triton/launch.py``): ``_gdn_scores_kernel`` (the input preparation
 — L2 norms, query scale, fp32 casts — and k_j . q_s, k_j . k_s over the window, once per batch row
 and key head, times each value head's decays into the step's weights; the list of slots due to
-refresh), ``_gdn_solve_kernel`` (for the slots due only:
-the decays and the inverse of the residual system), ``_gdn_step_kernel`` (one program per block
-of state rows, value head and batch row; GDN's residuals are separable over state rows) and
-``launch.advance`` (shared buffer fields k, g, beta and the cursors). Where the launch policy puts
-the slots due beside the others (``launch.StepShape.beside``), their solve and a step launch over
-them only, each program refreshing its rows first, run on a side stream beside the step launch
-over the other slots.
+refresh), ``_gdn_solve_kernel`` (for the slots due only: the decays and the inverse of the residual
+system) and ``_gdn_step_kernel`` (one program per block of state rows, value head and batch row;
+GDN's residuals are separable over state rows; one of a batch row's programs also writes the
+shared buffer fields k, g, beta and moves the cursors, ``launch.advance_row``). Where the launch
+policy puts the slots due beside the others (``launch.StepShape.beside``), their solve and a step
+launch over them only, each program refreshing its rows first, run on a side stream beside the
+step launch over the other slots.
 
 A program whose slot is due re-solves the committed residuals from the *anchor*. With c_j the log
 decay from the checkpoint through entry j and g(i, j] the one between entries, the residuals solve
@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from .._triton import launch
-from .._triton.launch import after_previous_launch
+from .._triton.launch import advance_row, after_previous_launch
 from .._triton.solve import unit_lower_inverse
 from .._triton.decay import path_decays, softplus
 from .._triton.window import (ancestor_bits, draft_paths, due_slot, head_window, list_due, pending_tree, slot_cursor,
@@ -403,12 +403,17 @@ def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, de
                      rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, bu_ptr, q_ptr, k_ptr, v_ptr,
                      svb: tl.constexpr, svt: tl.constexpr, svh: tl.constexpr, sve: tl.constexpr, beta_ptr,
                      sbb: tl.constexpr, sbt: tl.constexpr, sbh: tl.constexpr, scores_ptr, gammas_ptr, o_ptr, due_ptr,
-                     SCRATCH, HV, HK, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr,
+                     SCRATCH, HV, HK, committed_ptr, pending_ptr, refreshes_ptr, done_ptr, s1,
+                     s1b: tl.constexpr, s1t: tl.constexpr, s1h: tl.constexpr, s1e: tl.constexpr, d1, s2,
+                     s2b: tl.constexpr, s2t: tl.constexpr, s2h: tl.constexpr, s2e: tl.constexpr, d2, s3,
+                     s3b: tl.constexpr, s3t: tl.constexpr, s3h: tl.constexpr, s3e: tl.constexpr, d3, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr,
                      DK: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr,
                      A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
                      SHARED: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr, STREAM: tl.constexpr,
                      PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr,
-                     DUE: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
+                     DUE: tl.constexpr, ROUNDS: tl.constexpr, COMMIT: tl.constexpr, F1: tl.constexpr, F1P: tl.constexpr,
+                     W1: tl.constexpr, F2: tl.constexpr, F2P: tl.constexpr, W2: tl.constexpr, F3: tl.constexpr,
+                     F3P: tl.constexpr, W3: tl.constexpr, PDL: tl.constexpr):
     """Program (v, head, c). DUE = ``launch.EVERY_SLOT``: c is the batch row; ``launch.NOT_DUE``:
     the same, but a slot due to refresh is left to a ``launch.DUE_ONLY`` launch; DUE_ONLY: c takes
     the slots due of ranks c, c + n, ... (``window.list_due``, n programs per tile), each refreshed
@@ -429,6 +434,10 @@ def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, de
                 k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr, gammas_ptr, o_ptr, HV, HK, T, L,
                 LP, DV, DK, DKP, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, OUTPUT_DOT, QP, STREAM, PIN, REFRESH,
                 STAGES, READ_AFTER)
+            advance_row(pid_b, valid, row, tl.where(need, 0, h), need, (pid_v == 0) & (head == 0), need & REFRESH,
+                        tokens_ptr, committed_ptr, pending_ptr, refreshes_ptr, done_ptr, s1, s1b, s1t, s1h, s1e, d1,
+                        s2, s2b, s2t, s2h, s2e, d2, s3, s3b, s3t, s3h, s3e, d3, T, L, COMMIT, F1, F1P, W1, F2, F2P,
+                        W2, F3, F3P, W3)
 
 #: Warps of every solve launch (``_gdn_solve_kernel``): one shape for every preset and batch.
 SOLVE_WARPS = 4
@@ -488,17 +497,17 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     refresh_consts = dict(T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, FR=FR, KC=KC, STAGES=shape.stages,
                           READ_AFTER=read_after, ROUNDS=rounds, num_warps=shape.refresh_warps, **consts,
                           **({"maxnreg": shape.refresh_maxnreg} if shape.refresh_maxnreg else {}))
+    advanced, advance_consts = launch.advance_args(cache, commit, {"k": kn, "g": g, "beta": beta})
     step_args = (slots, cursors, cache.tokens, cache.seeds, tinv, decays, *anchor, *read,
                  buf["k"], buf["v"], buf["beta"], buf["u"], qn, kn, v, *strides(v), beta, *strides(beta)[:3], scores,
-                 gammas, o, due, cache.scratch_row, HV, HK)
+                 gammas, o, due, cache.scratch_row, HV, HK, *advanced)
     step_consts = dict(T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, BV=shape.rows, FR=FR, KC=KC,
                        OUTPUT_DOT=shape.output_dot, QP=max(16, triton.next_power_of_2(2 * T)), STREAM=shape.stream,
-                       PIN=shape.pin, STAGES=shape.stages, READ_AFTER=read_after, num_warps=shape.warps, **consts)
+                       PIN=shape.pin, STAGES=shape.stages, READ_AFTER=read_after, num_warps=shape.warps, **consts, **advance_consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
     due_work = [(_gdn_solve_kernel, (HK, programs), solve, solve_consts)]
     if shape.split:
         due_work.append((_gdn_refresh_kernel, (V // FR, HV, programs), refresh_args, refresh_consts))
     launch.step_launches(_gdn_step_kernel, (V // shape.rows, HV), b, shape, programs, rounds, step_args, step_consts,
                          extra, due_work)
-    launch.advance(cache, slots, T, commit, {"k": kn, "g": g, "beta": beta})
     return o

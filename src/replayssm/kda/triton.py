@@ -32,8 +32,8 @@ A step is GDN's launches (``_triton/launch.py``):
       o_s = S_read qd_s + sum_{j <= t} scores[0, s, j] u_j
 
   reusing the cached read-path residuals u_j of committed entries; the new tokens' v and u rows
-  are stored here;
-- ``launch.advance``: the shared buffer fields k, g [HV, K], beta and the cursors.
+  are stored here, and one program per batch row writes the shared buffer fields k, g [HV, K],
+  beta and moves the cursors (``launch.advance_row``).
 
 The refresh's per-step vectors rk and fk take b * HV * LP * K fp32 each (written and read only for
 slots that refresh).
@@ -57,7 +57,7 @@ from .._triton.formats import (
     within,
     write_checkpoint,
 )
-from .._triton.launch import after_previous_launch
+from .._triton.launch import advance_row, after_previous_launch
 from .._triton.solve import unit_lower_inverse
 from .._triton.window import (ancestor_bits, draft_bits, draft_view, due_slot, list_due, pending_tree, slot_cursor,
                               slot_row, step_cursor, window_keys, window_rows)
@@ -282,11 +282,17 @@ def _kda_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, rk
                      ag_ptr, rv_ptr, rs_ptr, rg_ptr, bv_ptr, bbeta_ptr, bu_ptr, qd_ptr, kd_ptr, v_ptr,
                      svb: tl.constexpr, svt: tl.constexpr, svh: tl.constexpr, sve: tl.constexpr, beta_ptr,
                      sbb: tl.constexpr, sbt: tl.constexpr, sbh: tl.constexpr, scores_ptr, o_ptr, SCRATCH, HV,
-                     T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
+                     committed_ptr, pending_ptr, refreshes_ptr, done_ptr, s1,
+                     s1b: tl.constexpr, s1t: tl.constexpr, s1h: tl.constexpr, s1e: tl.constexpr, d1, s2,
+                     s2b: tl.constexpr, s2t: tl.constexpr, s2h: tl.constexpr, s2e: tl.constexpr, d2, s3,
+                     s3b: tl.constexpr, s3t: tl.constexpr, s3h: tl.constexpr, s3e: tl.constexpr, d3, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
                      DKP: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr,
                      A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr,
                      OUTPUT_DOT: tl.constexpr, QP: tl.constexpr, STREAM: tl.constexpr, PIN: tl.constexpr,
-                     REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr, PDL: tl.constexpr):
+                     REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr,
+                     COMMIT: tl.constexpr, F1: tl.constexpr, F1P: tl.constexpr,
+                     W1: tl.constexpr, F2: tl.constexpr, F2P: tl.constexpr, W2: tl.constexpr, F3: tl.constexpr,
+                     F3P: tl.constexpr, W3: tl.constexpr, PDL: tl.constexpr):
     after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -350,6 +356,10 @@ def _kda_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, rk
         tl.store(o_ptr + (tok_in * HV + head) * DV + rv, tl.where(valid, o, 0.0).to(o_ptr.dtype.element_ty))
         tl.store(bv_ptr + (tok_buf * HV + head) * DV + rv, v_s)  # rows only this program reads
         tl.store(bu_ptr + (tok_buf * HV + head) * DV + rv, u_s)
+    advance_row(pid_b, valid, row, tl.where(need, 0, h), need, (pid_v == 0) & (head == 0), need & REFRESH,
+                tokens_ptr, committed_ptr, pending_ptr, refreshes_ptr, done_ptr, s1, s1b, s1t, s1h, s1e, d1,
+                s2, s2b, s2t, s2h, s2e, d2, s3, s3b, s3t, s3h, s3e, d3, T, L, COMMIT, F1, F1P, W1, F2, F2P,
+                W2, F3, F3P, W3)
 
 
 def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: bool, o, parents=None):
@@ -401,13 +411,13 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
                    KC=KC, STAGES=shape.stages, READ_AFTER=read_after, ROUNDS=rounds, num_warps=shape.refresh_warps,
                    **consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
+    advanced, advance_consts = launch.advance_args(cache, commit, {"k": kn, "g": g, "beta": beta})
     launch.run(
         _kda_step_kernel, (V // shape.rows, HV, b),
         slots, cursors, cache.tokens, cache.seeds, *refresh, *anchor, *read,
         buf["v"], buf["beta"], buf["u"], qd, kd, v, *strides(v), beta, *strides(beta)[:3], scores, o, cache.scratch_row,
-        HV,
+        HV, *advanced,
         T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, BV=shape.rows, FR=FR, KC=KC, OUTPUT_DOT=shape.output_dot,
         QP=max(16, triton.next_power_of_2(2 * T)), STREAM=shape.stream, PIN=shape.pin, REFRESH=not shape.split,
-        STAGES=shape.stages, READ_AFTER=read_after, num_warps=shape.warps, **extra, **consts)
-    launch.advance(cache, slots, T, commit, {"k": kn, "g": g, "beta": beta})
+        STAGES=shape.stages, READ_AFTER=read_after, num_warps=shape.warps, **extra, **consts, **advance_consts)
     return o

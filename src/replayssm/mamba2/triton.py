@@ -1,13 +1,13 @@
 """Mamba-2 ReplaySSM Triton kernels: output-only decode/verify with the refresh as a branch.
 
-A step is three launches (``_triton/launch.py``): ``_mamba2_scores_kernel`` (the input
+A step is two launches (``_triton/launch.py``): ``_mamba2_scores_kernel`` (the input
 preparation dt = softplus(dt + dt_bias), A dt; B_j . C_s over the window, times each head's
-decays and step sizes into the step's weights; for slots whose window is full, the fold weights),
-``_mamba2_step_kernel`` (one program per block of state rows, head and batch row) and
-``launch.advance`` (shared buffer fields and cursors). Where the launch policy puts the slots due
-beside the others (``launch.StepShape.beside``), a step launch over them only runs on
-a side stream beside the step launch over the other slots (after their refresh launch, where the
-shape splits it).
+decays and step sizes into the step's weights; for slots whose window is full, the fold weights)
+and ``_mamba2_step_kernel`` (one program per block of state rows, head and batch row; one of a
+batch row's programs also writes the shared buffer fields and moves the cursors,
+``launch.advance_row``). Where the launch policy puts the slots due beside the others
+(``launch.StepShape.beside``), a step launch over them only runs on a side stream beside the step
+launch over the other slots (after their refresh launch, where the shape splits it).
 
 A program whose slot's committed history plus the T new tokens overflows the window first folds
 the committed entries into a new checkpoint from the anchor,
@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .._triton import launch
-from .._triton.launch import after_previous_launch
+from .._triton.launch import advance_row, after_previous_launch
 from .._triton.decay import path_decays, softplus
 from .._triton.window import (ancestor_bits, draft_paths, due_slot, head_window, list_due, pending_tree, slot_cursor,
                               step_item, window_rows)
@@ -259,17 +259,23 @@ def _mamba2_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_pt
                         sxt: tl.constexpr, sxh: tl.constexpr, sxe: tl.constexpr, C_ptr,
                         sCb: tl.constexpr, sCt: tl.constexpr, sCh: tl.constexpr, sCe: tl.constexpr, D_ptr,
                         sD: tl.constexpr, z_ptr, szb: tl.constexpr, szt: tl.constexpr, szh: tl.constexpr,
-                        sze: tl.constexpr, scores_ptr, gammas_ptr, y_ptr, due_ptr, SCRATCH, H, G, T: tl.constexpr,
-                        L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
+                        sze: tl.constexpr, scores_ptr, gammas_ptr, y_ptr, due_ptr, SCRATCH, H, G, committed_ptr, pending_ptr, refreshes_ptr, done_ptr, s1,
+                        s1b: tl.constexpr, s1t: tl.constexpr, s1h: tl.constexpr, s1e: tl.constexpr, d1, s2,
+                        s2b: tl.constexpr, s2t: tl.constexpr, s2h: tl.constexpr, s2e: tl.constexpr, d2, s3,
+                        s3b: tl.constexpr, s3t: tl.constexpr, s3h: tl.constexpr, s3e: tl.constexpr, d3,
+                        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
                         BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr,
                         A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr,
                         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, PIN: tl.constexpr, REFRESH: tl.constexpr,
                         STAGES: tl.constexpr, READ_AFTER: tl.constexpr, DUE: tl.constexpr,
-                        ROUNDS: tl.constexpr, PDL: tl.constexpr):
+                        ROUNDS: tl.constexpr, COMMIT: tl.constexpr, F1: tl.constexpr, F1P: tl.constexpr,
+                        W1: tl.constexpr, F2: tl.constexpr, F2P: tl.constexpr, W2: tl.constexpr, F3: tl.constexpr,
+                        F3P: tl.constexpr, W3: tl.constexpr, PDL: tl.constexpr):
     """Program (v, head, c), c a batch row or, with DUE = ``launch.DUE_ONLY``, the slots due of
     ranks c, c + n, ... (``window.step_item``). The decays of every draft, along its own path for a
     tree, are in the scores launch's weights and gammas, so a tree's step is a chain's. The
-    caller's x, C, D, z are read through their strides."""
+    caller's x, C, D, z are read through their strides. One program per batch row then advances it
+    (``launch.advance_row``: committed ... d3, COMMIT, F*, W*)."""
     after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -284,6 +290,10 @@ def _mamba2_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_pt
                 C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD, z_ptr, szb, szt, szh, sze, scores_ptr, gammas_ptr,
                 y_ptr, H, G, T, L, LP, DV, DK, DKP, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, HAS_D, HAS_Z, PIN,
                 REFRESH, STAGES, READ_AFTER)
+            advance_row(pid_b, valid, row, tl.where(need, 0, h), need, (pid_v == 0) & (head == 0), need & REFRESH,
+                        tokens_ptr, committed_ptr, pending_ptr, refreshes_ptr, done_ptr, s1, s1b, s1t, s1h, s1e, d1,
+                        s2, s2b, s2t, s2h, s2e, d2, s3, s3b, s3t, s3h, s3e, d3, T, L, COMMIT, F1, F1P, W1, F2, F2P,
+                        W2, F3, F3P, W3)
 
 
 def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit: bool, y, parents=None):
@@ -327,16 +337,16 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
                buf["x"], buf["B"], due, H, G)
     refresh_consts = dict(T=T, L=cache.window, LP=LP, DV=P, DK=N, DKP=DKP, FR=FR, KC=KC, STAGES=shape.stages,
                           READ_AFTER=read_after, ROUNDS=rounds, num_warps=shape.refresh_warps, **consts)
+    advanced, advance_consts = launch.advance_args(cache, commit, {"dt": dt, "log_alpha": log_alpha, "B": B})
     step_args = (slots, cursors, cache.tokens, cache.seeds, fold_w, fold_decay, *anchor, *read,
                  buf["x"], buf["B"], x, *strides(x), C, *strides(C), x if D is None else D, launch.head_stride(D),
                  x if z is None else z, *strides(x if z is None else z), scores, gammas, y, due, cache.scratch_row, H,
-                 G)
+                 G, *advanced)
     step_consts = dict(T=T, L=cache.window, LP=LP, DV=P, DK=N, DKP=DKP, BV=shape.rows, FR=FR, KC=KC,
                        HAS_D=D is not None, HAS_Z=z is not None, PIN=shape.pin, STAGES=shape.stages,
-                       READ_AFTER=read_after, num_warps=shape.warps, **consts)
+                       READ_AFTER=read_after, num_warps=shape.warps, **consts, **advance_consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
     due_work = [(_mamba2_refresh_kernel, (P // FR, H, programs), refresh, refresh_consts)] if shape.split else []
     launch.step_launches(_mamba2_step_kernel, (P // shape.rows, H), b, shape, programs, rounds, step_args,
                          step_consts, extra, due_work)
-    launch.advance(cache, slots, T, commit, {"dt": dt, "log_alpha": log_alpha, "B": B})
     return y
