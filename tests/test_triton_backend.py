@@ -103,9 +103,30 @@ def test_triton_s32_matches_float64_reference(arch, variant):
     finally:
         launch.TUNING.clear()
     tr.check_counters([0, 1, 2])
+    assert not tr.cache.programs_done.any()  # every refreshing slot's count back at zero
     helpers.record(f"triton {arch} s32_rs max rel err", tr.max_rel)
     assert tr.max_rel <= 2e-5, tr.max_rel
     assert tr.state_error([0, 1, 2]) <= 1e-5
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
+def test_a_refreshing_slot_advances_only_after_its_last_program(arch):
+    """A refreshing slot's programs fold the buffered shared entries (B; GDN's k and beta) that
+    the advance overwrites with the new tokens', so the last of them to finish advances the slot
+    (``launch.advance_row``). Counted one program short (``programs_done`` starting at 1), the slot
+    advances before its last program folds, and the outputs leave the float64 recurrence behind."""
+    layer = TritonLayer(arch)
+    errors = []
+    for short in (False, True):
+        tr = helpers.Tracker(layer, layer.cache(4, window=4, max_draft=2), seed=5)
+        tr.load([0, 1])
+        tr.decode([1])  # staggered: the slots refresh in different steps
+        for _ in range(20):
+            if short:
+                tr.cache.programs_done.fill_(1)
+            tr.decode([0, 1])
+        errors.append(tr.max_rel)
+    assert errors[0] <= 2e-5 and errors[1] > 100 * 2e-5, errors  # a window of 4: entry 0 weighs in the fold
 
 
 @triton.jit
