@@ -406,8 +406,9 @@ def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, de
                      SCRATCH, HV, HK, committed_ptr, pending_ptr, refreshes_ptr, done_ptr, s1,
                      s1b: tl.constexpr, s1t: tl.constexpr, s1h: tl.constexpr, s1e: tl.constexpr, d1, s2,
                      s2b: tl.constexpr, s2t: tl.constexpr, s2h: tl.constexpr, s2e: tl.constexpr, d2, s3,
-                     s3b: tl.constexpr, s3t: tl.constexpr, s3h: tl.constexpr, s3e: tl.constexpr, d3, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr,
-                     DK: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr,
+                     s3b: tl.constexpr, s3t: tl.constexpr, s3h: tl.constexpr, s3e: tl.constexpr, d3,
+                     T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
+                     DKP: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr,
                      A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
                      SHARED: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr, STREAM: tl.constexpr,
                      PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr,
@@ -503,7 +504,8 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
                  gammas, o, due, cache.scratch_row, HV, HK, *advanced)
     step_consts = dict(T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, BV=shape.rows, FR=FR, KC=KC,
                        OUTPUT_DOT=shape.output_dot, QP=max(16, triton.next_power_of_2(2 * T)), STREAM=shape.stream,
-                       PIN=shape.pin, STAGES=shape.stages, READ_AFTER=read_after, num_warps=shape.warps, **consts, **advance_consts)
+                       PIN=shape.pin, STAGES=shape.stages, READ_AFTER=read_after, num_warps=shape.warps, **consts,
+                       **advance_consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
     due_work = [(_gdn_solve_kernel, (HK, programs), solve, solve_consts)]
     if shape.split:
