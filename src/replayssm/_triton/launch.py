@@ -70,15 +70,16 @@ def after_previous_launch(PDL: tl.constexpr):
 
 
 @triton.jit
-def _copy_field(src_ptr, sb, st, sh, se, dst_ptr, pid, row, start, T: tl.constexpr, TP: tl.constexpr,
-                L: tl.constexpr, F: tl.constexpr, F_PAD: tl.constexpr, W: tl.constexpr):
+def _copy_field(src_ptr, sb, st, sh, se, dst_ptr, pid, row, start, T: tl.constexpr, L: tl.constexpr,
+                F: tl.constexpr, F_PAD: tl.constexpr, W: tl.constexpr):
     """dst[row, start + s, :F] = src[pid, s] for s < T: src a [b, T, F / W, W] view of strides
-    (sb, st, sh, se) (``token_strides``), dst [rows, L, F] contiguous."""
-    s = tl.arange(0, TP)[:, None]
-    f = tl.arange(0, F_PAD)[None, :]
-    m = (f < F) & (s < T)
-    vals = tl.load(src_ptr + pid * sb + s * st + (f // W) * sh + (f % W) * se, mask=m)
-    tl.store(dst_ptr + (row * L + start + s) * F + f, vals.to(dst_ptr.dtype.element_ty), mask=m)
+    (sb, st, sh, se) (``token_strides``), dst [rows, L, F] contiguous. A token at a time, in a
+    loop that is not unrolled: a whole [T, F] tile (GDN's k: 2048 elements per token) made the
+    step kernels that run under a register cap spill."""
+    f = tl.arange(0, F_PAD)
+    for s in tl.range(0, T, num_stages=1):
+        vals = tl.load(src_ptr + pid * sb + s * st + (f // W) * sh + (f % W) * se, mask=f < F)
+        tl.store(dst_ptr + (row * L + start + s) * F + f, vals.to(dst_ptr.dtype.element_ty), mask=f < F)
 
 
 @triton.jit
@@ -106,10 +107,9 @@ def advance_row(pid_b, valid, row, start, need, first, counted, tokens_ptr, comm
             if go:
                 tl.store(done_ptr + row, 0)
         if go:
-            TP: tl.constexpr = triton.next_power_of_2(T)
-            _copy_field(s1, s1b, s1t, s1h, s1e, d1, pid_b, row, start, T, TP, L, F1, F1P, W1)
-            _copy_field(s2, s2b, s2t, s2h, s2e, d2, pid_b, row, start, T, TP, L, F2, F2P, W2)
-            _copy_field(s3, s3b, s3t, s3h, s3e, d3, pid_b, row, start, T, TP, L, F3, F3P, W3)
+            _copy_field(s1, s1b, s1t, s1h, s1e, d1, pid_b, row, start, T, L, F1, F1P, W1)
+            _copy_field(s2, s2b, s2t, s2h, s2e, d2, pid_b, row, start, T, L, F2, F2P, W2)
+            _copy_field(s3, s3b, s3t, s3h, s3e, d3, pid_b, row, start, T, L, F3, F3P, W3)
             if need:
                 tl.store(refreshes_ptr + row, tl.load(refreshes_ptr + row) + 1)
             if COMMIT:
