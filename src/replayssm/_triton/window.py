@@ -39,7 +39,7 @@ def list_due(slots_ptr, committed_ptr, due_ptr, B, T: tl.constexpr, L: tl.conste
              PASSES: tl.constexpr):
     """The batch rows whose slots are due to refresh, in batch order, CH rows at a time: due[0] =
     their count n, due[1 .. n] the rows (``due`` int32 [b + 1]); PASSES = ceil(B / CH). Run by one program of a scores
-    launch (committed counts do not change before the advance launch): a refresh launch of its own
+    launch (committed counts change only in the step launch, after it): a refresh launch of its own
     then needs a program per tile of the slots due only, where a launch over every slot spends
     most of its time on programs that load a cursor and exit."""
     count = tl.full((), 0, tl.int32)
