@@ -288,7 +288,8 @@ class ReplayCache:
         rows, valid = self.rows_of(slots)
         self.seeds[rows] = torch.where(valid, self.seed if seeds is None else seeds, self.seeds[rows])
         zero = torch.zeros_like(self.tokens[rows])
-        for cur in (self.committed, self.pending, self.refreshes, self.tokens):
+        # programs_done is zero between steps; a slot loaded afresh starts there whatever came before
+        for cur in (self.committed, self.pending, self.refreshes, self.tokens, self.programs_done):
             cur[rows] = torch.where(valid, zero.to(cur.dtype), cur[rows])
         self.draft_gaps[rows] = torch.where(valid[:, None], 0, self.draft_gaps[rows])
         self.write_checkpoint(rows, state.float(), valid)
