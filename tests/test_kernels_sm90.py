@@ -35,7 +35,8 @@ def test_step_kernels_assemble_without_spills_and_the_pin_saves_shuffles(tmp_pat
     of a staggered step's programs, each refreshing its rows first), which may spill a few words
     (28 bytes on sm_90a; measured faster than a refresh launch of its own, ``launch.SHAPES``); GDN's
     pinned read-copy load (16 elements per thread) reduces its rows in fewer warp shuffles than the
-    same kernel unpinned. Fails if a kernel spills or ignores PIN."""
+    same kernel unpinned; nor do the verify step kernels of 4 drafts. Fails if a kernel spills or
+    ignores PIN."""
     rows = _rows(_compile_for_sm90(tmp_path, PTXAS_REPORT, "--presets", "s32_rs"))
     assert {r[0] for r in rows} == {"mamba2", "gdn", "kda"}
     assert [r[3] for r in rows if r[0] == "gdn"] == ["_gdn_step_kernel:due", "_gdn_step_kernel"]
@@ -44,6 +45,12 @@ def test_step_kernels_assemble_without_spills_and_the_pin_saves_shuffles(tmp_pat
         allowed = 32 if kernel.endswith(":due") else 0
         assert 0 < int(regs) <= 255 and stores <= allowed and loads <= allowed, (arch, kernel, regs, spills)
         assert int(sass) > int(shfl) > 0, (arch, sass, shfl)  # the step kernels reduce across lanes
+    # verify of 4 drafts: GDN's step kernel runs under a 168-register cap there (launch.SHAPES), so
+    # what the program does last (the row's advance) must not need registers of its own
+    verify = _rows(_compile_for_sm90(tmp_path, PTXAS_REPORT, "--presets", "s32_rs", "--draft", "4"))
+    assert {r[0] for r in verify} == {"mamba2", "gdn", "kda"}
+    for arch, preset, shape, kernel, regs, spills, *_ in verify:
+        assert 0 < int(regs) <= 255 and spills == "0/0", (arch, kernel, regs, spills)
     unpinned = _rows(_compile_for_sm90(tmp_path, PTXAS_REPORT, "--arch", "gdn", "--presets", "s32_rs",
                                        "--tuning", "pin=0"))
     pinned = [r for r in rows if r[0] == "gdn"]
