@@ -198,7 +198,8 @@ def _engine_call(arch, view):
                  "_gdn_step_kernel": [tok["v"]]}
         return (lambda: rs.gdn_decode(cache, slots, **tok, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm=True,
                                       backend="triton")), reads
-    reads = {"_kda_scores_kernel": [tok["q"], tok["k"], tok["g"]], "_kda_step_kernel": [tok["v"], tok["beta"], tok["g"]]}
+    reads = {"_kda_scores_kernel": [tok["q"], tok["k"], tok["g"]],
+             "_kda_step_kernel": [tok["v"], tok["beta"], tok["g"]]}
     return (lambda: rs.kda_decode(cache, slots, **tok, use_qk_l2norm=True, backend="triton")), reads
 
 
