@@ -1,7 +1,11 @@
 """The in-kernel number formats (replayssm._triton.formats) against replayssm.formats, bit for bit.
 
-Runs the Triton code under TRITON_INTERPRET=1 on the CPU (set in conftest for triton tests).
+Runs the Triton code under TRITON_INTERPRET=1 on the CPU (set in conftest for triton tests); with
+REPLAYSSM_GPU_TESTS=1 the same kernels run compiled on the GPU (its hardware casts included):
+
+    REPLAYSSM_GPU_TESTS=1 python -m pytest tests/test_triton_formats.py
 """
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -12,6 +16,19 @@ import triton.language as tl  # noqa: E402
 
 from replayssm import formats  # noqa: E402
 from replayssm._triton import formats as tf  # noqa: E402
+
+
+#: Where the kernels of this file run: the tensors are made on the CPU and copied there and back.
+DEVICE = "cuda" if os.environ.get("REPLAYSSM_GPU_TESTS") == "1" else "cpu"
+
+
+def _launch(kernel, grid, *args):
+    """kernel[grid](*args) on DEVICE, every tensor argument copied back in place afterwards."""
+    moved = [a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args]
+    kernel[grid](*moved)
+    for a, m in zip(args, moved):
+        if isinstance(a, torch.Tensor):
+            a.copy_(m.cpu())
 
 
 @triton.jit
@@ -40,8 +57,8 @@ def _run(name, rounding, x, seeds, stream):
     back = torch.empty_like(x)
     q = torch.randn(DK, generator=torch.Generator().manual_seed(3))
     mv = torch.empty(mats, DV)
-    _roundtrip_kernel[(mats,)](x, v, s, g, back, q, mv, seeds, stream, DV, DK,
-                               tf.FMT_IDS[name], rounding == "stochastic")
+    _launch(_roundtrip_kernel, (mats,), x, v, s, g, back, q, mv, seeds, stream, DV, DK, tf.FMT_IDS[name],
+            rounding == "stochastic")
     # the step kernels' products over load_read's layout: the decoded tile times q
     want = (fmt.decode(parts, DK).double() @ q.double()).float()
     torch.testing.assert_close(mv, want, rtol=1e-5, atol=1e-5 * want.abs().max().item(), equal_nan=True)
@@ -122,8 +139,8 @@ def test_kernel_encode_of_rows_in_padded_tiles_matches_torch_bit_for_bit(name, r
     back = torch.empty_like(x)
     q = torch.randn(DK, generator=g)
     mv = torch.empty(mats, DV)
-    _padded_roundtrip_kernel[(mats,)](x, v, s, gs, back, q, mv, seeds, 5, DV, DK, DKP, CH, tf.FMT_IDS[name],
-                                      rounding == "stochastic")
+    _launch(_padded_roundtrip_kernel, (mats,), x, v, s, gs, back, q, mv, seeds, 5, DV, DK, DKP, CH,
+            tf.FMT_IDS[name], rounding == "stochastic")
     heads = torch.arange(mats) % 3
     offsets = (heads[:, None, None] * DV + torch.arange(DV)[None, :, None]) * DK + torch.arange(DK)
     bits = formats.random_bits(seeds[:, None, None], 5, offsets)
@@ -182,7 +199,7 @@ def test_grid_round_matches_torch_on_ties_subnormals_and_limits(grid, rounding):
     sr = rounding == "stochastic"
     want = formats._round_grid(x, M, emin, maxv, r24 if sr else None).float()
     got = torch.empty_like(x)
-    _grid_round_kernel[(x.numel() // 1024,)](x, r24, got, 1024, M, emin, maxv, sr)
+    _launch(_grid_round_kernel, (x.numel() // 1024,), x, r24, got, 1024, M, emin, maxv, sr)
     assert torch.equal(got.view(torch.int32), want.view(torch.int32))
     if not sr:  # teeth: ties rounded away from zero would differ on some of these values
         away = formats._round_grid(x, M + 1, emin, maxv, None).float()  # the ties on the finer grid

@@ -12,8 +12,17 @@ columns from dk on are padding, masked to zero on loads and never stored past th
 ``replayssm.formats`` pads them). Where a tile is full its masks are constants (``below``), so the
 kernels compile as they would without them.
 """
+import os
+
 import triton
 import triton.language as tl
+
+#: Whether the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, read when Triton decorates
+#: them too). On a GPU, casts to e4m3 round to nearest-even and saturate in hardware
+#: (``cvt.rn.satfinite``), the bits of ``replayssm.formats`` (ties, subnormals, limits: checked on an
+#: H200 by ``tests/test_triton_formats.py`` with ``REPLAYSSM_TEST_DEVICE=cuda``); the interpreter's
+#: cast does not round so, and there the value is first rounded onto the e4m3 grid (``grid_round``).
+INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 FMT_IDS = {"fp32": 0, "fp16": 1, "bf16": 2, "fp8_e4m3": 3, "nvfp4": 4}
 M32 = 0xFFFFFFFF
@@ -126,6 +135,16 @@ def grid_round(y, r24, M: tl.constexpr, EMIN: tl.constexpr, MAXV: tl.constexpr, 
 
 
 @triton.jit
+def _to_e4m3(y, r24, SR: tl.constexpr):
+    """fp32 y as e4m3 (saturating at 448, NaN kept; SR: ``grid_round``'s stochastic rounding),
+    ``replayssm.formats``' bits: rounded onto the grid first where the cast would not round so
+    (stochastic rounding, the interpreter, ``INTERPRETED``)."""
+    if SR or INTERPRETED:
+        return grid_round(y, r24, 3, -6, 448.0, SR).to(tl.float8e4nv)
+    return _clamp(y, 448.0).to(tl.float8e4nv)
+
+
+@triton.jit
 def load_tile(v_ptr, s_ptr, g_ptr, mat, gidx, rv, ck, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr):
     """Rows ``rv`` [BV] x columns ``ck`` [BK] of matrix ``mat`` decoded to fp32: all DK columns
     (a tile of DKP), or BK contiguous ones starting at a multiple of 32 (``gidx``: the NVFP4
@@ -216,8 +235,7 @@ def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
         y = tl.where(bad[:, :, None], 0.0,
                      tl.math.div_rn(X, tl.broadcast_to(tl.where(bad, 1.0, scale)[:, :, None], (BV, NB, 32))))
         y = tl.reshape(y, (BV, BK))
-        # rounded on the e4m3 grid here, so the cast is exact on every backend
-        v = grid_round(y, r24, 3, -6, 448.0, SR).to(tl.float8e4nv)
+        v = _to_e4m3(y, r24, SR)
         tl.store(v_ptr + row * W + ck[None, :], v, mask=within(ck, W)[None, :])
         sb = tl.min(ck, 0) // 32 + tl.arange(0, NB)
         tl.store(s_ptr + row * (W // 32) + sb[None, :], scale, mask=within(sb, W // 32)[None, :])
@@ -232,7 +250,7 @@ def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
         bad = (bamax < float("inf")) == 0
         t = tl.math.div_rn(tl.math.div_rn(bamax, tl.full(bamax.shape, 6.0, tl.float32)),
                            tl.full(bamax.shape, 1.0, tl.float32) * gs)
-        s = grid_round(t, t.to(tl.int64), 3, -6, 448.0, False)  # RNE onto the e4m3 grid
+        s = _to_e4m3(t, t.to(tl.int64), False).to(tl.float32)  # RNE onto the e4m3 grid
         s = tl.where(bad, float("nan"), s)
         denom = s * gs
         ok = denom > 0
