@@ -198,6 +198,32 @@ def test_multi_token_continuation_after_decode():
     assert (ref - out).abs().max().item() <= LOGIT_ATOL
 
 
+def test_token_counts_follow_decode_and_accept():
+    """Every layer of the transformers cache counts the tokens it holds (the positions of the next forward
+    follow layer 0's count, a linear layer in Qwen3.5): after a ReplaySSM decode and a verify whose
+    accept keeps 2 of 4 tokens, the counts agree and a stock continuation sees the right positions."""
+    from replayssm.integrations.speculative import _attention_layers
+    model = model_of("qwen3_5")
+    ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits[0, -4:]
+        with rst.patch(model) as p:
+            cache = DynamicCache(config=model.config)
+            model(input_ids=ids[:, :4], cache=cache, use_cache=True)
+            model(input_ids=ids[:, 4:5], cache=cache, use_cache=True)
+            with p.verifying():
+                model(input_ids=ids[:, 5:9], cache=cache, use_cache=True)
+            p.accept(torch.tensor([2]))
+            for _, crop in _attention_layers(cache):
+                crop(2)
+            if hasattr(cache.layers[0], "cumulative_length_linear"):  # transformers >= 5.25 counts linear layers
+                counts = {int(cache.get_seq_length(i)) for i in range(len(cache.layers))}
+                assert counts == {7}, counts
+            model(input_ids=ids[:, 7:8], cache=cache, use_cache=True)
+            out = model(input_ids=ids[:, 8:], cache=cache, use_cache=True).logits[0]
+    assert (ref - out).abs().max().item() <= LOGIT_ATOL
+
+
 def test_two_precision_preset_logprob_difference():
     model = model_of("mamba2")
     ids = torch.randint(3, VOCAB, (1, 48), generator=torch.Generator().manual_seed(9)).to(DEVICE)

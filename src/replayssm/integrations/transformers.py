@@ -223,6 +223,15 @@ def _conv_step(x, conv_state, weight, bias, activation, commit: bool, parents=No
     return out.to(x.dtype), full
 
 
+def _count_tokens(hf_cache, layer_idx: int, n):
+    """Add n (int or 0-d int64 tensor) committed tokens to the layer's token count. transformers >= 5.25
+    counts the tokens of a linear-attention layer (``get_seq_length`` reads it when layer 0 is linear, and
+    the positions follow); its own decode step adds one in place. A tensor add: no host sync."""
+    count = getattr(hf_cache.layers[layer_idx], "cumulative_length_linear", None)
+    if count is not None:
+        count.add_(n.to(count.device) if torch.is_tensor(n) else n)
+
+
 # ---------------------------------------------------------------------------------------------
 # per-layer adapters
 # ---------------------------------------------------------------------------------------------
@@ -342,6 +351,8 @@ class _LayerAdapter:
                                commit=not verify, parents=self.owner.parents if verify else None)
         if verify:
             self.pending_full = full
+        else:
+            _count_tokens(hf_cache, self.layer_idx, 1)
         return out
 
     def tree_parents(self):
@@ -370,6 +381,8 @@ class _LayerAdapter:
             idx = torch.gather(order, 1, idx)
         idx = idx[:, None, :].expand(full.shape[0], full.shape[1], S)
         conv_state.copy_(torch.gather(full, 2, idx).to(conv_state.dtype))
+        # the KV layers keep the positions some row committed: the longest acceptance
+        _count_tokens(hf, self.layer_idx, n.max())
         self.dirty = True
 
 
@@ -707,7 +720,8 @@ class ReplayPatch:
         """Commit the first ``num_inputs[b]`` tokens of the last verify in every layer (SSM caches and
         convolution states); after a tree verify, ``path`` (int [b, W]) names them: the fed tokens
         path[b, :num_inputs[b]], a root path of the tree, in order. The caller reorders and crops
-        the attention KV caches itself."""
+        the attention KV caches itself (by T - max(num_inputs)); the linear layers' token counts
+        advance by max(num_inputs) here, so every layer then counts the same tokens."""
         if not torch.is_tensor(num_inputs):
             num_inputs = torch.tensor(num_inputs)
         num_inputs = num_inputs.reshape(-1).to(torch.int64)
