@@ -249,9 +249,8 @@ def test_triton_heads_of_16_row_multiples_match_float64(arch):
 #: from dk on; fp8 rows of one and two scale blocks, NVFP4 rows of two and three), dv = 3 with
 #: dk = 5 (1-row programs, an NVFP4 global scale per row). The refresh a branch of the step, or a
 #: launch of its own (split); GDN's verify products on tensor cores streamed (fp32, the default for
-#: 4 drafts) or loaded whole (output_dot), or row reductions (NVFP4); its decode products from 2-byte
-#: and fp8 read copies block by block (``formats.block_products``: dk = 24 one masked block of 32,
-#: dk = 40 two blocks, the second a stored fp8 block of padding past column 40).
+#: 4 drafts) or loaded whole (output_dot), or row reductions (NVFP4); its decode from 2-byte and fp8
+#: read copies at dk = 24 (a masked tile) and dk = 40 (fp8: a stored scale block of padding past 40).
 ANY_DIMS = [("mamba2", 8, 24, "s32_rs", {}), ("mamba2", 24, 48, "tp8_hi32", dict(split=True)),
             ("mamba2", 3, 5, "tp4_hi32", {}), ("gdn", 24, 24, "s32_rs", {}),
             ("gdn", 8, 48, "tp4_hi32", dict(split=True)), ("gdn", 24, 48, "tp8_hi32", dict(output_dot=True, stream=0)),

@@ -342,53 +342,6 @@ def matvec(va, vb, sc, qa, qb, FMT: tl.constexpr):
 
 
 @triton.jit
-def read_blocks(v_ptr, s_ptr, mat, rv, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, FMT: tl.constexpr):
-    """Rows ``rv`` [BV] of a 2-byte or fp8 read copy as stored, for ``block_products``: a tuple of
-    (values [BV, KB] not yet decoded, their block scale [BV], or 1.0) per KB = min(32, DKP) columns
-    (one fp8 scale block), zero from the stored row's end on."""
-    row = mat * DV + rv
-    W: tl.constexpr = stored_width(DK, FMT)
-    KB: tl.constexpr = 32 if DKP >= 32 else DKP
-    blocks = ()
-    for c in tl.static_range(DKP // KB):
-        cols = c * KB + tl.arange(0, KB)
-        vals = tl.load(v_ptr + row[:, None] * W + cols[None, :], mask=within(cols, W)[None, :], other=0.0)
-        sc = 1.0
-        if FMT == 3:
-            if c * KB < W:
-                sc = tl.load(s_ptr + row * (W // 32) + c)
-            else:
-                sc = tl.zeros(rv.shape, tl.float32)
-        blocks = blocks + ((vals, sc),)
-    return blocks
-
-
-@triton.jit
-def block_products(blocks, k_ptr, q_ptr, TS, N: tl.constexpr, DK: tl.constexpr):
-    """S_read x [BV] for 2N vectors x of DK fp32 elements, contiguous: k_ptr + i TS for i < N, then
-    q_ptr + i TS, as a tuple in that order; S_read from ``read_blocks``. Block by block: each block
-    is decoded once, used by every vector and then dropped, so the decoded tile is never whole in
-    registers (two row reductions over a whole decoded fp8 tile took GDN's step kernel to 237
-    registers)."""
-    KB: tl.constexpr = blocks[0][0].shape[1]
-    BV: tl.constexpr = blocks[0][0].shape[0]
-    acc = ()
-    for i in tl.static_range(2 * N):
-        acc = acc + (tl.zeros((BV,), tl.float32),)
-    for c in tl.static_range(len(blocks)):
-        vals, sc = blocks[c]
-        S = vals.to(tl.float32)
-        cols = c * KB + tl.arange(0, KB)
-        new = ()
-        for i in tl.static_range(2 * N):
-            base = k_ptr if i < N else q_ptr
-            x = tl.load(base + (i % N) * TS + cols, mask=within(cols, DK), other=0.0)
-            new = new + (acc[i] + tl.sum(S * x[None, :], 1) * sc,)
-        acc = new
-    return acc
-
-
-@triton.jit
 def dequantize(va, vb, sc, FMT: tl.constexpr):
     """``load_read``'s parts as one fp32 tile [BV, DK] (values times their scales)."""
     if FMT <= 2:

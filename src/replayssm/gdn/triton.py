@@ -48,8 +48,7 @@ from .._triton.solve import unit_lower_inverse
 from .._triton.decay import path_decays, softplus
 from .._triton.window import (ancestor_bits, draft_paths, due_slot, head_window, list_due, pending_tree, slot_cursor,
                               step_item, window_keys)
-from .._triton.formats import (block_products, column, load_query, load_read, load_tile, matvec, pin_vector_width,
-                               read_blocks,
+from .._triton.formats import (column, load_query, load_read, load_tile, matvec, pin_vector_width,
                                products_on_tensor_cores, read_copy_from_anchor, streamed_products, within,
                                write_checkpoint)
 
@@ -356,17 +355,14 @@ def _gdn_step_program(
     # the read copy in its own layout (the anchor itself when shared; with STREAM never whole),
     # then everything else a program reads, all issued before any arithmetic
     QLOAD: tl.constexpr = OUTPUT_DOT and not STREAM
-    # 2-byte and fp8 read copies without tensor cores: products block by block (``block_products``)
-    BLOCKS: tl.constexpr = (not OUTPUT_DOT) and (R_FMT >= 1) and (R_FMT <= 3)
-    ra, rb, rsc = 0.0, 0.0, 0.0
-    if BLOCKS:
-        blocks = read_blocks(rv_ptr, rs_ptr, mat, rv, DV, DK, DKP, R_FMT)
-    elif not STREAM:
+    if STREAM:
+        ra, rb, rsc = 0.0, 0.0, 0.0
+    else:
         ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, DKP, R_FMT)
     U, Q = _window_loads(bu_ptr, q_ptr, k_ptr, row, pid_b, head, khead, h, rv, HV, HK, T, L, LP, DV, DK, DKP, QLOAD,
                          QP)
     tokens_in = _token_loads(q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr, bv_ptr,
-                             pid_b, head, khead, rv, HV, HK, T, LP, DV, DK, DKP, R_FMT, OUTPUT_DOT or BLOCKS)
+                             pid_b, head, khead, rv, HV, HK, T, LP, DV, DK, DKP, R_FMT, OUTPUT_DOT)
     gammas = ()
     for s in tl.static_range(T):
         gammas = gammas + (tl.load(gammas_ptr + (pid_b * HV + head) * T + s),)
@@ -379,9 +375,6 @@ def _gdn_step_program(
                                    QP, KB, STREAM)
         else:
             SQ = products_on_tensor_cores(ra, rb, rsc, Q, R_FMT)
-    if BLOCKS:  # S_read k_0..k_{T-1}, S_read q_0..q_{T-1}
-        at = (pid_b * T * HK + khead) * DK
-        SQ = block_products(blocks, k_ptr + at, q_ptr + at, HK * DK, T, DK)
     for s in tl.static_range(T):
         t = h + s
         tok_in = pid_b * T + s
@@ -390,8 +383,6 @@ def _gdn_step_program(
         # residual u_s = beta_s (v_s - alpha_s S_{t-1} k_s), with S_{t-1} (the parent's state) never formed
         if OUTPUT_DOT:
             Sk_read = column(SQ, s)
-        elif BLOCKS:
-            Sk_read = SQ[s]
         else:
             Sk_read = matvec(ra, rb, rsc, ka, kb, R_FMT)
         u_s = beta_s * (v_s.to(tl.float32) - gammas[s] * Sk_read - tl.sum(U * to_k[None, :], 1))
@@ -399,8 +390,6 @@ def _gdn_step_program(
         # output o_s = S_t q_s = gamma_t S_read q_s + sum_{j <= t} gamma_{j+1:t} (k_j . q_s) u_j
         if OUTPUT_DOT:
             Sq_read = column(SQ, T + s)
-        elif BLOCKS:
-            Sq_read = SQ[T + s]
         else:
             Sq_read = matvec(ra, rb, rsc, qa, qb, R_FMT)
         o = gammas[s] * Sq_read + tl.sum(U * to_q[None, :], 1)

@@ -46,14 +46,12 @@ import triton.language as tl
 
 from .._triton import launch
 from .._triton.formats import (
-    block_products,
     column,
     load_read,
     load_tile,
     matvec,
     pin_vector_width,
     products_on_tensor_cores,
-    read_blocks,
     read_copy_from_anchor,
     streamed_products,
     within,
@@ -316,12 +314,9 @@ def _kda_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, rk
     # the read copy in its own layout (the anchor itself when shared; with STREAM never whole),
     # then everything else a program reads, all issued before any arithmetic
     QLOAD: tl.constexpr = OUTPUT_DOT and not STREAM
-    # 2-byte and fp8 read copies without tensor cores: products block by block (``block_products``)
-    BLOCKS: tl.constexpr = (not OUTPUT_DOT) and (R_FMT >= 1) and (R_FMT <= 3)
-    ra, rb, rsc = 0.0, 0.0, 0.0
-    if BLOCKS:
-        blocks = read_blocks(rv_ptr, rs_ptr, mat, rv, DV, DK, DKP, R_FMT)
-    elif not STREAM:
+    if STREAM:
+        ra, rb, rsc = 0.0, 0.0, 0.0
+    else:
         ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, DKP, R_FMT)
     U = tl.load(bu_ptr + ((row * L + j[None, :]) * HV + head) * DV + rv[:, None], mask=(j < h)[None, :], other=0.0)
     Q = 0.0
@@ -331,7 +326,7 @@ def _kda_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, rk
         m = (r < 2 * T) & within(ck, DK)[None, :]
         Q = tl.where(r < T, tl.load(kd_ptr + at, mask=m, other=0.0), tl.load(qd_ptr + at, mask=m, other=0.0))
     tokens_in = _token_loads(qd_ptr, kd_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr, bv_ptr,
-                             pid_b, head, head, rv, HV, HV, T, LP, DV, DK, DKP, R_FMT, OUTPUT_DOT or BLOCKS)
+                             pid_b, head, head, rv, HV, HV, T, LP, DV, DK, DKP, R_FMT, OUTPUT_DOT)
     if PIN:
         pin_vector_width(rv_ptr, mat, rv, ck, h < 0, DV, DK, PIN)
     if OUTPUT_DOT:  # every S_read kd_s and S_read qd_s of the step in one product
@@ -341,9 +336,6 @@ def _kda_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, rk
                                    QP, KB, STREAM)
         else:
             SQ = products_on_tensor_cores(ra, rb, rsc, Q, R_FMT)
-    if BLOCKS:  # S_read kd_0..kd_{T-1}, S_read qd_0..qd_{T-1}
-        at = (pid_b * T * HV + head) * DK
-        SQ = block_products(blocks, kd_ptr + at, qd_ptr + at, HV * DK, T, DK)
     for s in tl.static_range(T):
         t = h + s
         tok_in = pid_b * T + s
@@ -352,8 +344,6 @@ def _kda_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, rk
         # residual u_s = beta_s (v_s - S_{t-1} D_t k_s), with S_{t-1} never formed
         if OUTPUT_DOT:
             Sk_read = column(SQ, s)
-        elif BLOCKS:
-            Sk_read = SQ[s]
         else:
             Sk_read = matvec(ra, rb, rsc, ka, kb, R_FMT)
         u_s = beta_s * (v_s.to(tl.float32) - Sk_read - tl.sum(U * k_scores[None, :], 1))
@@ -361,8 +351,6 @@ def _kda_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, rk
         # output o_s = S_t q_s = S_read qd_s + sum_{j <= t} <k_j, q_s>_{j:t} u_j
         if OUTPUT_DOT:
             Sq_read = column(SQ, T + s)
-        elif BLOCKS:
-            Sq_read = SQ[T + s]
         else:
             Sq_read = matvec(ra, rb, rsc, qa, qb, R_FMT)
         o = Sq_read + tl.sum(U * q_scores[None, :], 1)
