@@ -468,9 +468,10 @@ class StepShape(NamedTuple):
 #:   568.7 (606.0), T = 2 401.3 (409.5); tp16_hi32 T = 4 508.3 (544.2), T = 2 325.5 (335.5); slower
 #:   from fp8 (T = 4 574.3 against 518.4) and NVFP4 (970.0 against 901.3). GDN verify stays a launch:
 #:   s32_rs 695.0 (a branch 779.4, a branch beside the others 706.0, the launch beside 709.5).
-#: - GDN decode from fp16 read copies pins 16 elements per thread, as fp32 and bf16 do (2026-12, once
-#:   the decays moved into the scores launch: 314.5 against 325.0 us with 8; the step kernel then
-#:   took 254 registers with 8).
+#: - GDN decode from 2-byte read copies pins nothing (2026-12, once the step launch advanced its
+#:   rows, us per step against a pin of 16): tp16_hi32 299.1 (313.8), tpbf16_hi32 302.9 (322.8), batch
+#:   32 46.5 (48.2), KDA tp16_hi32 289.8 (297.1). fp8 pinned nothing already (266.6 / 267.7).
+#:   Unpinned, GDN's step kernel takes 167 registers instead of 255 (sm_90a) for 96 shuffles instead of 48.
 #:
 #: One warp per 32 rows keeps row reductions inside a warp; NVFP4 takes 4 warps (one cannot hide
 #: its nibble decoding). GDN verify steps of T >= 4 run their read-copy products on tensor cores,
@@ -490,8 +491,8 @@ SHAPES = {
     ("mamba2", "nvfp4"): ((1, dict(warps=4, refresh_warps=4)),),
     ("gdn", "fp32"): ((1, dict(pin=16, refresh_maxnreg=128, **_BESIDE)),
                       (4, dict(refresh_maxnreg=128, maxnreg=168, **_VERIFY_DOT))),
-    ("gdn", "fp16"): ((1, dict(pin=16, refresh_maxnreg=168, **_BESIDE)), (4, dict(refresh_maxnreg=168, **_VERIFY_DOT))),
-    ("gdn", "bf16"): ((1, dict(pin=16, refresh_maxnreg=168, **_BESIDE)), (4, dict(refresh_maxnreg=168, **_VERIFY_DOT))),
+    ("gdn", "fp16"): ((1, dict(refresh_maxnreg=168, **_BESIDE)), (4, dict(refresh_maxnreg=168, **_VERIFY_DOT))),
+    ("gdn", "bf16"): ((1, dict(refresh_maxnreg=168, **_BESIDE)), (4, dict(refresh_maxnreg=168, **_VERIFY_DOT))),
     ("gdn", "fp8_e4m3"): ((1, dict(refresh_maxnreg=128)),
                           (4, dict(refresh_maxnreg=128, beside=True, **_VERIFY_DOT))),
     ("gdn", "nvfp4"): ((1, dict(warps=4)),),
