@@ -178,6 +178,35 @@ def test_triton_low_precision_agrees_with_torch_backend(arch, precision):
                                                  caches[1].counters(slots).values()))
 
 
+@pytest.mark.parametrize("arch", ["gdn", "kda"])
+@pytest.mark.parametrize("preset", ["tp16_hi32", "tpbf16_hi32", "tp8_hi32"])
+def test_verify_products_from_narrow_read_copies_are_fp32_accurate(arch, preset):
+    """A verify of 4 drafts right after a load computes its outputs from the read copy alone, its
+    products on tensor cores with the read copy's values as they are stored and the keys and queries
+    split into 16-bit pieces (``formats.exact_operand_products``): against the float64 recurrence
+    started from the decoded read copy, within fp32 accuracy. Started from the state that was loaded
+    instead, the reference differs by the read format's rounding, which the bound catches (a single
+    pass over 16-bit keys and queries would round them alike)."""
+    layer = helpers.make_layer(arch, 0, num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=32)
+    g = helpers.generator(11)
+    cache = layer.cache(3, window=16, max_draft=4, precision=preset)
+    slots = torch.tensor([2, 0])
+    state = torch.randn(2, *layer.state_shape, generator=g)
+    cache.load_state(slots, state)
+    tok = layer.tokens(g, 2, 4)
+    if arch == "kda":
+        y = rs.kda_verify(cache, slots, **tok, use_qk_l2norm=True, backend="triton")
+    else:
+        y = rs.gdn_verify(cache, slots, **tok, use_qk_l2norm=True, backend="triton")
+
+    def rel(start):
+        ref = layer.reference(start.double(), tok)[0]
+        return ((y.double() - ref).norm() / ref.norm()).item()
+
+    assert rel(cache.decode_read(slots)) <= 1e-5
+    assert rel(state) > 1e-4
+
+
 @pytest.mark.parametrize("arch", ["mamba2", "gdn"])
 def test_triton_read_precision_and_tile_leave_anchor_bit_identical(arch):
     """Changing only the read format of an fp32 anchor (and so the step's tile: NVFP4 runs 4 warps,

@@ -361,6 +361,47 @@ def products_on_tensor_cores(va, vb, sc, Q, FMT: tl.constexpr):
 
 
 @triton.jit
+def _power_of_two_scale(Q):
+    """(up, down) [R] for the rows of Q [R, C] fp32: powers of two, ``up`` taking a row's largest
+    magnitude into [2^14, 2^15) (fp16's top binades end at 65504), ``down`` = 1 / up exactly (both
+    built from exponent bits, no division)."""
+    E = (tl.max(tl.abs(Q), 1).to(tl.int32, bitcast=True) >> 23) & 255
+    c = tl.minimum(tl.maximum(268 - E, 1), 253)
+    return (c << 23).to(tl.float32, bitcast=True), ((254 - c) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def exact_operand_products(S, Q, FMT: tl.constexpr):
+    """S Q^T [BV, QP] fp32 on tensor cores, for a read-copy chunk S [BV, KB] in its stored dtype
+    (fp16, bf16 or fp8 e4m3 values, block scales not applied) and query rows Q [QP, KB] fp32, with
+    operands the tensor cores take exactly: S as it is stored (e4m3 values are fp16 values), Q split
+    into pieces of S's 16-bit type, one single-pass product per piece, accumulated in fp32.
+    bf16: Q = q1 + q2 + q3 exactly (8 + 8 + 8 bits). fp16 and e4m3: each row of Q scaled by a power
+    of two into fp16's range (``_power_of_two_scale``, undone on the products), Q = q1 + q2 to 22
+    bits. Against 3-pass tf32 on the fp32-decoded tile: a third (fp16, fp8) or half (bf16) of the
+    tensor-core instructions, half the operand bytes, and no split of the tile."""
+    if FMT == 2:
+        q1 = Q.to(tl.bfloat16)
+        rest = Q - q1.to(tl.float32)  # exact
+        q2 = rest.to(tl.bfloat16)
+        q3 = (rest - q2.to(tl.float32)).to(tl.bfloat16)  # exact: 8 bits are left
+        if INTERPRETED:  # the interpreter's products do not take bf16; fp32 holds these values exactly
+            S, q1, q2, q3 = S.to(tl.float32), q1.to(tl.float32), q2.to(tl.float32), q3.to(tl.float32)
+        P = tl.dot(S, tl.trans(q3))  # smallest pieces first
+        P = tl.dot(S, tl.trans(q2), P)
+        return tl.dot(S, tl.trans(q1), P)
+    else:
+        up, down = _power_of_two_scale(Q)
+        Qs = Q * up[:, None]
+        q1 = Qs.to(tl.float16)
+        q2 = (Qs - q1.to(tl.float32)).to(tl.float16)
+        S16 = S.to(tl.float16)
+        P = tl.dot(S16, tl.trans(q2))
+        P = tl.dot(S16, tl.trans(q1), P)
+        return P * down[None, :]
+
+
+@triton.jit
 def streamed_products(v_ptr, s_ptr, mat, rv, a_ptr, b_ptr, pid_b, NH, hidx, T: tl.constexpr, ROWS: tl.constexpr,
                       DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr, QP: tl.constexpr, KB: tl.constexpr,
                       STAGES: tl.constexpr):
@@ -368,9 +409,10 @@ def streamed_products(v_ptr, s_ptr, mat, rv, a_ptr, b_ptr, pid_b, NH, hidx, T: t
     accumulated over KB columns at a time, in a loop that Triton software-pipelines (STAGES
     chunks in flight through shared memory), so a program holds one [BV, KB] chunk instead of
     [BV, DK]. Query row r < T is token r of ``a_ptr``, T <= r < ROWS (ROWS = T or 2T) token
-    r - T of ``b_ptr`` (both [b, T, NH, DK], head ``hidx``), other rows zero. Element-wise
-    formats and fp8 (KB = 32: one block scale per row and chunk); not NVFP4. The last chunk is
-    zero from column DK on."""
+    r - T of ``b_ptr`` (both [b, T, NH, DK] fp32, head ``hidx``), other rows zero. fp32 read
+    copies: 3-pass tf32 (fp32-accurate); fp16, bf16 and fp8 (KB = 32: one block scale per row and
+    chunk, applied to the chunk's products): ``exact_operand_products``. Not NVFP4. The last
+    chunk is zero from column DK on."""
     row = mat * DV + rv
     W: tl.constexpr = stored_width(DK, FMT)
     r = tl.arange(0, QP)[:, None]
@@ -379,12 +421,15 @@ def streamed_products(v_ptr, s_ptr, mat, rv, a_ptr, b_ptr, pid_b, NH, hidx, T: t
     for k0 in tl.range(0, DK, KB, num_stages=STAGES):
         cols = k0 + tl.arange(0, KB)
         ok = within(cols, DK)[None, :]
-        S = tl.load(v_ptr + row[:, None] * W + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        if FMT == 3:
-            S = S * tl.load(s_ptr + row * (W // 32) + k0 // 32)[:, None]
+        S = tl.load(v_ptr + row[:, None] * W + cols[None, :], mask=ok, other=0.0)
         Q = tl.where(r < T, tl.load(a_ptr + at + cols[None, :], mask=(r < T) & ok, other=0.0),
                      tl.load(b_ptr + at + cols[None, :], mask=(r >= T) & (r < ROWS) & ok, other=0.0)).to(tl.float32)
-        acc = tl.dot(S, tl.trans(Q), acc, input_precision="tf32x3")
+        if FMT == 0:
+            acc = tl.dot(S.to(tl.float32), tl.trans(Q), acc, input_precision="tf32x3")
+        elif FMT == 3:
+            acc += exact_operand_products(S, Q, FMT) * tl.load(s_ptr + row * (W // 32) + k0 // 32)[:, None]
+        else:
+            acc += exact_operand_products(S, Q, FMT)
     return acc
 
 

@@ -472,7 +472,15 @@ class StepShape(NamedTuple):
 #:   rows, us per step against a pin of 16): tp16_hi32 299.1 (313.8), tpbf16_hi32 302.9 (322.8), batch
 #:   32 46.5 (48.2), KDA tp16_hi32 289.8 (297.1). fp8 pinned nothing already (266.6 / 267.7).
 #:   Unpinned, GDN's step kernel takes 167 registers instead of 255 (sm_90a) for 96 shuffles instead of 48.
-#:   Verify of 2 and 3 drafts keeps the pin (not timed unpinned).
+#:   Verify of 2 drafts unpinned: 554.5 (555.6 pinned), bf16 574.6 (574.7): the same, so nothing pinned.
+#: - Mamba-2 from 2-byte read copies, unpinned (2026-12, us, against a pin of 16): decode tp16_hi32
+#:   217.3 (221.1; the same with or without the 168-register cap, so none), verify of 2 drafts
+#:   tpbf16_hi32 310.4 (333.8), tp16_hi32 309.7 (332.3), batch 32 60.7 (60.8); verify of 4 drafts
+#:   keeps the pin: 515.3 (543.5 unpinned).
+#: - GDN verify of 4 drafts from fp16, bf16 and fp8 read copies, products of exact operands
+#:   (``formats.exact_operand_products``) against 3-pass tf32 (2026-12, us per round): tp16_hi32
+#:   679.0 (697.9), tpbf16_hi32 662.4 (704.6), tp8_hi32 693.2 (755.3), batch 32 111.2 (116.4); KDA
+#:   tp16_hi32 926.2 (937.0). 64-column chunks for the 2-byte formats were slower (731.5, 725.4).
 #:
 #: One warp per 32 rows keeps row reductions inside a warp; NVFP4 takes 4 warps (one cannot hide
 #: its nibble decoding). GDN verify steps of T >= 4 run their read-copy products on tensor cores,
@@ -484,18 +492,16 @@ _VERIFY_DOT = dict(output_dot=True, stream=3)
 _BESIDE = dict(split=False, beside=True)  # the slots due beside the others, each refresh a branch of its step
 SHAPES = {
     ("mamba2", "fp32"): ((1, dict(split=False, stages=2)), (2, dict(pin=16, split=False))),
-    ("mamba2", "fp16"): ((1, dict(pin=16, split=False, stages=2, maxnreg=168, beside=True)),
-                         (2, dict(pin=16, split=False))),
-    ("mamba2", "bf16"): ((1, dict(pin=16, split=False, stages=2, maxnreg=168, beside=True)),
-                         (2, dict(pin=16, split=False))),
+    ("mamba2", "fp16"): ((1, dict(split=False, stages=2, beside=True)), (2, dict(split=False)),
+                         (4, dict(pin=16, split=False))),
+    ("mamba2", "bf16"): ((1, dict(split=False, stages=2, beside=True)), (2, dict(split=False)),
+                         (4, dict(pin=16, split=False))),
     ("mamba2", "fp8_e4m3"): ((1, dict(beside=True)), (2, {})),
     ("mamba2", "nvfp4"): ((1, dict(warps=4, refresh_warps=4)),),
     ("gdn", "fp32"): ((1, dict(pin=16, refresh_maxnreg=128, **_BESIDE)),
                       (4, dict(refresh_maxnreg=128, maxnreg=168, **_VERIFY_DOT))),
-    ("gdn", "fp16"): ((1, dict(refresh_maxnreg=168, **_BESIDE)), (2, dict(pin=16, refresh_maxnreg=168, **_BESIDE)),
-                     (4, dict(refresh_maxnreg=168, **_VERIFY_DOT))),
-    ("gdn", "bf16"): ((1, dict(refresh_maxnreg=168, **_BESIDE)), (2, dict(pin=16, refresh_maxnreg=168, **_BESIDE)),
-                     (4, dict(refresh_maxnreg=168, **_VERIFY_DOT))),
+    ("gdn", "fp16"): ((1, dict(refresh_maxnreg=168, **_BESIDE)), (4, dict(refresh_maxnreg=168, **_VERIFY_DOT))),
+    ("gdn", "bf16"): ((1, dict(refresh_maxnreg=168, **_BESIDE)), (4, dict(refresh_maxnreg=168, **_VERIFY_DOT))),
     ("gdn", "fp8_e4m3"): ((1, dict(refresh_maxnreg=128)),
                           (4, dict(refresh_maxnreg=128, beside=True, **_VERIFY_DOT))),
     ("gdn", "nvfp4"): ((1, dict(warps=4)),),
