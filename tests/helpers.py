@@ -222,9 +222,12 @@ class Tracker:
     def t(slots):
         return torch.tensor(slots, dtype=torch.int64)
 
-    def load(self, slots, scale=1.0):
+    def load(self, slots, scale=1.0, rows=None):
+        """Random states for ``slots``, times ``scale``; ``rows`` [dv]: each state row's factor on top."""
         b = len(slots)
         state = scale * torch.randn(b, *self.layer.state_shape, generator=self.g)
+        if rows is not None:
+            state = state * rows[:, None]
         self.cache.load_state(self.t(slots), state)
         for i, s in enumerate(slots):
             if s >= 0:

@@ -291,6 +291,46 @@ def test_triton_heads_of_any_dims_match_float64(arch, dv, dk, preset, tuning):
     helpers.check_any_dims(TritonLayer(arch, **helpers.any_dims(arch, dv, dk)), preset, tuning, seed=dv + dk)
 
 
+@triton.jit
+def _first_block_scale(mat, r0, BV: tl.constexpr, DV: tl.constexpr):
+    """A broken ``formats.global_scale_index``: every row of a program read with its first block's scale."""
+    return mat * (DV // 32) + r0 // 32
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
+def test_nvfp4_programs_of_several_row_blocks_read_each_its_global_scale(arch, monkeypatch):
+    """An NVFP4 read copy has one global scale per 32-row block; a program of 64 rows reads two,
+    one per row (``formats.global_scale_index``). With the second block's rows 1000 times the
+    first's, decodes and verify rounds across refreshes at 64-row programs (the refresh a branch and
+    a launch of its own) stay within NVFP4's bound of the float64 recurrence; read with the first
+    block's scale for all 64 rows, the same steps leave it far behind."""
+    from replayssm._triton import launch
+
+    rows = torch.cat([torch.full((32,), 1e-3), torch.ones(32)])
+    module = importlib.import_module(f"replayssm.{arch}.triton")
+    errors = []
+    for broken in (False, True):
+        if broken:
+            monkeypatch.setattr(module, "global_scale_index", _first_block_scale)
+        for split in (False, True):
+            layer = TritonLayer(arch, **WIDE[arch])
+            tr = helpers.Tracker(layer, layer.cache(3, window=4, max_draft=4, precision="tp4_hi32"), seed=13)
+            tr.load([0, 1, 2], rows=rows)
+            tr.decode([2, 1])
+            launch.TUNING.update(rows=64, warps=4, split=split)
+            try:
+                for r in range(2):
+                    tr.decode([0, -1, 2])
+                    tr.verify([1, -1, 2, 0], 4)
+                    tr.accept([r % 5, 0, 4, (r + 2) % 5])
+            finally:
+                launch.TUNING.clear()
+            assert min(tr.refreshes.values()) >= 1
+            assert tr.state_error([0, 1, 2]) <= 1e-5  # the fp32 anchor: no read path in it
+            errors.append(tr.max_err / tr.max_ref)
+    assert max(errors[:2]) <= helpers.READ_BOUND["nvfp4"] < min(errors[2:]), errors
+
+
 @pytest.mark.parametrize("normalize", [True, False])
 def test_gdn_input_preparation_in_kernel_matches_torch(normalize):
     """The Triton GDN step prepares q, k (L2 norm, scale), g and beta inside its first launch;
@@ -441,7 +481,7 @@ def test_step_beside_the_slots_due_leaves_them_to_their_own_launch(arch):
 
 def test_step_shapes_follow_the_policy():
     """``launch.step_shape``: the table by draft length, rows kept to whole fold sub-tiles and
-    NVFP4 row blocks (of fewer than 16 rows for small or odd dv), no tensor-core products for an
+    NVFP4 row blocks (one or several; of fewer than 32 rows for small or odd dv), no tensor-core products for an
     NVFP4 read copy, sweep labels; ``launch.column_pad``: dk padded to a power of two >= 16, >= 32
     with fp8."""
     from replayssm._triton import launch
@@ -474,6 +514,9 @@ def test_step_shapes_follow_the_policy():
     try:
         launch.TUNING.update(rows=48)
         assert launch.step_shape(wide, "gdn").rows == launch.FOLD_ROWS
+        launch.TUNING.update(rows=128)  # NVFP4: whole global-scale blocks, four of them
+        assert launch.step_shape(rs.GDNCache(1, 1, 2, 32, 128, precision="tp4_hi32"), "gdn").rows == 128
+        assert launch.step_shape(rs.GDNCache(1, 1, 2, 32, 80, precision="tp4_hi32"), "gdn").rows == 16
     finally:
         launch.TUNING.clear()
     assert launch.parse_shape("64x4ok3") == dict(rows=64, warps=4, output_dot=True, stream=3)

@@ -12,6 +12,7 @@ columns from dk on are padding, masked to zero on loads and never stored past th
 ``replayssm.formats`` pads them). Where a tile is full its masks are constants (``below``), so the
 kernels compile as they would without them.
 """
+import math
 import os
 
 import triton
@@ -142,6 +143,24 @@ def _to_e4m3(y, r24, SR: tl.constexpr):
     if SR or INTERPRETED:
         return grid_round(y, r24, 3, -6, 448.0, SR).to(tl.float8e4nv)
     return _clamp(y, 448.0).to(tl.float8e4nv)
+
+
+@triton.constexpr_function
+def row_block(DV):
+    """Rows of a head's storage block, gcd(dv, 32) (``ReplayCache.row_block``): NVFP4 keeps one
+    global scale per block."""
+    return math.gcd(DV, 32)
+
+
+@triton.jit
+def global_scale_index(mat, r0, BV: tl.constexpr, DV: tl.constexpr):
+    """The NVFP4 global-scale index of rows r0 .. r0 + BV of matrix ``mat`` (r0 a multiple of BV, BV
+    a multiple of the row block): a scalar where the rows are one block, else one per row [BV, 1],
+    so that a program may own several blocks (``load_read`` takes either)."""
+    RB: tl.constexpr = row_block(DV)
+    if BV == RB:
+        return mat * (DV // RB) + r0 // RB
+    return (mat * DV + r0 + tl.arange(0, BV))[:, None] // RB
 
 
 @triton.jit
@@ -275,7 +294,7 @@ def load_read(v_ptr, s_ptr, g_ptr, mat, gidx, rv, DV: tl.constexpr, DK: tl.const
     """Rows ``rv`` of a read copy in the format's own layout, for ``matvec``: (values_a,
     values_b, scale). fp32/16/bf16: ([BV, DKP], same, 1). fp8: ([BV, DKP/32, 32], same, block
     scales [BV, DKP/32]). NVFP4: (even elements [BV, DKP/16, 8], odd elements, block scale x
-    global scale [BV, DKP/16]). Nothing is expanded to [BV, DKP] with per-element scale loads.
+    global scale [BV, DKP/16]; ``gidx`` from ``global_scale_index``). Nothing is expanded to [BV, DKP] with per-element scale loads.
     Columns past the stored row are zero (fp8 and NVFP4 read whole stored blocks, whose padding
     holds zeros)."""
     row = mat * DV + rv
@@ -323,10 +342,10 @@ def load_query(ptr, se, DK: tl.constexpr, DKP: tl.constexpr, FMT: tl.constexpr):
         nb, e = tl.arange(0, DKP // 32)[:, None], tl.arange(0, 32)[None, :]
         q = tl.load(ptr + (nb * 32 + e) * se, mask=below(nb * 32 + e, DK, FULL), other=0.0).to(tl.float32)
         return q, q
-    else:
-        off = tl.arange(0, DKP // 16)[:, None] * 16 + 2 * tl.arange(0, 8)[None, :]
-        return (tl.load(ptr + off * se, mask=below(off, DK, FULL), other=0.0).to(tl.float32),
-                tl.load(ptr + (off + 1) * se, mask=below(off + 1, DK, FULL), other=0.0).to(tl.float32))
+    else:  # loaded whole (contiguous: vector loads), then split into even and odd elements
+        off = tl.arange(0, DKP // 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
+        q = tl.load(ptr + off * se, mask=below(off, DK, FULL), other=0.0).to(tl.float32)
+        return tl.split(tl.reshape(q, (DKP // 16, 8, 2)))
 
 
 @triton.jit

@@ -548,9 +548,9 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
     refresh a branch below SPLIT_MIN_BATCH rows, and the slots due beside the others there where a
     step expects one, ``SIDE_STREAM_ARCHS``; ``TUNING`` over it). Rows are a multiple of
     FOLD_ROWS that divides dv, or the cache's row block (gcd(dv, 32), a power of two: 16 for dv =
-    80, 8 for dv = 8 or 24) where dv is not a multiple of FOLD_ROWS or is at most FOLD_ROWS, and
-    with NVFP4 (a program owns whole global-scale blocks); no products on tensor cores for an
-    NVFP4 read copy."""
+    80, 8 for dv = 8 or 24) where dv is not a multiple of FOLD_ROWS or is at most FOLD_ROWS: a
+    program owns whole NVFP4 global-scale blocks (``formats.global_scale_index``), one or several.
+    No products on tensor cores for an NVFP4 read copy."""
     fmt = cache.precision.read_format.name
     found = BASE_SHAPE
     for least, fields in SHAPES[(arch, fmt)]:
@@ -560,7 +560,7 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
         found = found._replace(split=False, beside=arch in SIDE_STREAM_ARCHS and batch * T >= cache.window)
     found = found._replace(**TUNING)
     rows = found.rows
-    if cache.dv <= FOLD_ROWS or cache.dv % FOLD_ROWS or _uses_nvfp4(cache):
+    if cache.dv <= FOLD_ROWS or cache.dv % FOLD_ROWS:
         rows = cache.row_block
     elif rows % FOLD_ROWS or rows > cache.dv or cache.dv % rows:
         rows = FOLD_ROWS

@@ -48,9 +48,9 @@ from .._triton.solve import unit_lower_inverse
 from .._triton.decay import path_decays, softplus
 from .._triton.window import (ancestor_bits, draft_paths, due_slot, head_window, list_due, pending_tree, slot_cursor,
                               step_item, window_keys)
-from .._triton.formats import (column, load_query, load_read, load_tile, matvec, pin_vector_width,
-                               products_on_tensor_cores, read_copy_from_anchor, streamed_products, within,
-                               write_checkpoint)
+from .._triton.formats import (column, global_scale_index, load_query, load_read, load_tile, matvec,
+                               pin_vector_width, products_on_tensor_cores, read_copy_from_anchor, streamed_products,
+                               within, write_checkpoint)
 
 
 @triton.jit
@@ -341,7 +341,7 @@ def _gdn_step_program(
     ``row``, h committed entries, ``need``: due to refresh, folded here first when REFRESH)."""
     khead = head // (HV // HK)
     mat = row * HV + head
-    gidx = mat * (DV // BV) + pid_v  # NVFP4 global-scale block of these rows
+    gidx = global_scale_index(mat, pid_v * BV, BV, DV)  # NVFP4: the global scales of these rows
     rv = pid_v * BV + tl.arange(0, BV)
     ck = tl.arange(0, DKP)
     j = tl.arange(0, LP)

@@ -47,6 +47,7 @@ import triton.language as tl
 from .._triton import launch
 from .._triton.formats import (
     column,
+    global_scale_index,
     load_read,
     load_tile,
     matvec,
@@ -300,7 +301,7 @@ def _kda_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, rk
     valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
     h, need = step_cursor(cursors_ptr, pid_b, valid, T, L)
     mat = row * HV + head
-    gidx = mat * (DV // BV) + pid_v  # NVFP4 global-scale block of these rows
+    gidx = global_scale_index(mat, pid_v * BV, BV, DV)  # NVFP4: the global scales of these rows
     rv = pid_v * BV + tl.arange(0, BV)
     ck = tl.arange(0, DKP)
     j = tl.arange(0, LP)

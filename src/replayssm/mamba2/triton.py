@@ -37,8 +37,8 @@ from .._triton.launch import advance_row, after_previous_launch
 from .._triton.decay import path_decays, softplus
 from .._triton.window import (ancestor_bits, draft_paths, due_slot, head_window, list_due, pending_tree, slot_cursor,
                               step_item, window_rows)
-from .._triton.formats import (load_query, load_read, load_tile, matvec, pin_vector_width, read_copy_from_anchor,
-                               within, write_checkpoint)
+from .._triton.formats import (global_scale_index, load_query, load_read, load_tile, matvec, pin_vector_width,
+                               read_copy_from_anchor, within, write_checkpoint)
 
 
 @triton.jit
@@ -216,7 +216,7 @@ def _mamba2_step_program(
     committed entries, ``need``: due to refresh, folded here first when REFRESH)."""
     group = head // (H // G)
     mat = row * H + head
-    gidx = mat * (DV // BV) + pid_v  # NVFP4 global-scale block of these rows
+    gidx = global_scale_index(mat, pid_v * BV, BV, DV)  # NVFP4: the global scales of these rows
     rv = pid_v * BV + tl.arange(0, BV)
     ck = tl.arange(0, DKP)
     j = tl.arange(0, LP)
