@@ -158,9 +158,10 @@ def global_scale_index(mat, r0, BV: tl.constexpr, DV: tl.constexpr):
     a multiple of the row block): a scalar where the rows are one block, else one per row [BV, 1],
     so that a program may own several blocks (``load_read`` takes either)."""
     RB: tl.constexpr = row_block(DV)
-    if BV == RB:
+    if BV == RB:  # both returns in branches of the constexpr if: the compiler keeps only one
         return mat * (DV // RB) + r0 // RB
-    return (mat * DV + r0 + tl.arange(0, BV))[:, None] // RB
+    else:
+        return (mat * DV + r0 + tl.arange(0, BV))[:, None] // RB
 
 
 @triton.jit
