@@ -179,25 +179,36 @@ def test_triton_low_precision_agrees_with_torch_backend(arch, precision):
 
 
 @pytest.mark.parametrize("arch", ["gdn", "kda"])
-@pytest.mark.parametrize("preset", ["tp16_hi32", "tpbf16_hi32", "tp8_hi32"])
-def test_verify_products_from_narrow_read_copies_are_fp32_accurate(arch, preset):
+@pytest.mark.parametrize("preset, tuning", [("tp16_hi32", {}), ("tpbf16_hi32", {}), ("tp8_hi32", {}),
+                                            ("tp4_hi32", dict(rows=64, output_dot=True, stream=2)),
+                                            ("tp4_hi32", dict(rows=32, output_dot=True, stream=2)),
+                                            ("tp4_hi32", dict(output_dot=True, stream=0))])
+def test_verify_products_from_narrow_read_copies_are_fp32_accurate(arch, preset, tuning):
     """A verify of 4 drafts right after a load computes its outputs from the read copy alone, its
     products on tensor cores with the read copy's values as they are stored and the keys and queries
-    split into 16-bit pieces (``formats.exact_operand_products``): against the float64 recurrence
-    started from the decoded read copy, within fp32 accuracy. Started from the state that was loaded
-    instead, the reference differs by the read format's rounding, which the bound catches (a single
-    pass over 16-bit keys and queries would round them alike)."""
-    layer = helpers.make_layer(arch, 0, num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=32)
+    split into 16-bit pieces (``formats.exact_operand_products``; NVFP4 values times their block
+    scales in fp16, streamed over programs of one or two global-scale blocks, or decoded whole):
+    against the float64 recurrence started from the decoded read copy, within fp32 accuracy. Started
+    from the state that was loaded instead, the reference differs by the read format's rounding,
+    which the bound catches (a single pass over 16-bit keys and queries would round them alike)."""
+    from replayssm._triton import launch
+
+    layer = helpers.make_layer(arch, 0, num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=64)
     g = helpers.generator(11)
     cache = layer.cache(3, window=16, max_draft=4, precision=preset)
     slots = torch.tensor([2, 0])
     state = torch.randn(2, *layer.state_shape, generator=g)
+    state[:, :, 32:] *= 1e3  # the second global-scale block of each head far from the first
     cache.load_state(slots, state)
     tok = layer.tokens(g, 2, 4)
-    if arch == "kda":
-        y = rs.kda_verify(cache, slots, **tok, use_qk_l2norm=True, backend="triton")
-    else:
-        y = rs.gdn_verify(cache, slots, **tok, use_qk_l2norm=True, backend="triton")
+    launch.TUNING.update(tuning)
+    try:
+        if arch == "kda":
+            y = rs.kda_verify(cache, slots, **tok, use_qk_l2norm=True, backend="triton")
+        else:
+            y = rs.gdn_verify(cache, slots, **tok, use_qk_l2norm=True, backend="triton")
+    finally:
+        launch.TUNING.clear()
 
     def rel(start):
         ref = layer.reference(start.double(), tok)[0]

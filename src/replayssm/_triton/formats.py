@@ -422,16 +422,36 @@ def exact_operand_products(S, Q, FMT: tl.constexpr):
 
 
 @triton.jit
-def streamed_products(v_ptr, s_ptr, mat, rv, a_ptr, b_ptr, pid_b, NH, hidx, T: tl.constexpr, ROWS: tl.constexpr,
-                      DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr, QP: tl.constexpr, KB: tl.constexpr,
-                      STAGES: tl.constexpr):
+def _nvfp4_chunk(v_ptr, s_ptr, row, k0, W: tl.constexpr, KB: tl.constexpr):
+    """Columns k0 .. k0 + KB of NVFP4 rows ``row`` [BV] as fp16 [BV, KB]: each e2m1 value times its
+    e4m3 block scale, exactly (a value has at most 2 significant bits and a scale 4, and their
+    products lie in [2^-10, 2688], fp16's normal range), without the global scale. A code's fp16
+    bit pattern is its value times 2^-14; the power of two is undone in fp16, exactly."""
+    BV: tl.constexpr = row.shape[0]
+    half = k0 // 2 + tl.arange(0, KB // 2)
+    byte = tl.load(v_ptr + row[:, None] * (W // 2) + half[None, :], mask=within(half, W // 2)[None, :],
+                   other=0).to(tl.int16)
+    lo = (((byte & 8) << 12) | ((byte & 7) << 9)).to(tl.float16, bitcast=True)
+    hi = (((byte & 128) << 8) | ((byte & 112) << 5)).to(tl.float16, bitcast=True)
+    vals = tl.reshape(tl.join(lo, hi), (BV, KB // 16, 16)) * tl.full((), 16384.0, tl.float16)
+    sb = k0 // 16 + tl.arange(0, KB // 16)
+    scale = tl.load(s_ptr + row[:, None] * (W // 16) + sb[None, :], mask=within(sb, W // 16)[None, :], other=0.0)
+    return tl.reshape(vals * scale.to(tl.float16)[:, :, None], (BV, KB))
+
+
+@triton.jit
+def streamed_products(v_ptr, s_ptr, g_ptr, mat, gidx, rv, a_ptr, b_ptr, pid_b, NH, hidx, T: tl.constexpr,
+                      ROWS: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr, QP: tl.constexpr,
+                      KB: tl.constexpr, STAGES: tl.constexpr):
     """``products_on_tensor_cores`` without the read copy's tile in registers: S_read Q^T [BV, QP]
     accumulated over KB columns at a time, in a loop that Triton software-pipelines (STAGES
     chunks in flight through shared memory), so a program holds one [BV, KB] chunk instead of
     [BV, DK]. Query row r < T is token r of ``a_ptr``, T <= r < ROWS (ROWS = T or 2T) token
     r - T of ``b_ptr`` (both [b, T, NH, DK] fp32, head ``hidx``), other rows zero. fp32 read
     copies: 3-pass tf32 (fp32-accurate); fp16, bf16 and fp8 (KB = 32: one block scale per row and
-    chunk, applied to the chunk's products): ``exact_operand_products``. Not NVFP4. The last
+    chunk, applied to the chunk's products): ``exact_operand_products``. NVFP4: each chunk decoded
+    to fp16 with its e4m3 block scales applied there, exactly (``_nvfp4_chunk``), products as for
+    fp16, the global scale (``gidx``: ``global_scale_index``) applied once at the end. The last
     chunk is zero from column DK on."""
     row = mat * DV + rv
     W: tl.constexpr = stored_width(DK, FMT)
@@ -441,15 +461,21 @@ def streamed_products(v_ptr, s_ptr, mat, rv, a_ptr, b_ptr, pid_b, NH, hidx, T: t
     for k0 in tl.range(0, DK, KB, num_stages=STAGES):
         cols = k0 + tl.arange(0, KB)
         ok = within(cols, DK)[None, :]
-        S = tl.load(v_ptr + row[:, None] * W + cols[None, :], mask=ok, other=0.0)
+        S = 0.0
+        if FMT != 4:
+            S = tl.load(v_ptr + row[:, None] * W + cols[None, :], mask=ok, other=0.0)
         Q = tl.where(r < T, tl.load(a_ptr + at + cols[None, :], mask=(r < T) & ok, other=0.0),
                      tl.load(b_ptr + at + cols[None, :], mask=(r >= T) & (r < ROWS) & ok, other=0.0)).to(tl.float32)
         if FMT == 0:
             acc = tl.dot(S.to(tl.float32), tl.trans(Q), acc, input_precision="tf32x3")
         elif FMT == 3:
             acc += exact_operand_products(S, Q, FMT) * tl.load(s_ptr + row * (W // 32) + k0 // 32)[:, None]
+        elif FMT == 4:
+            acc += exact_operand_products(_nvfp4_chunk(v_ptr, s_ptr, row, k0, W, KB), Q, 1)
         else:
             acc += exact_operand_products(S, Q, FMT)
+    if FMT == 4:
+        acc = acc * tl.load(g_ptr + gidx)
     return acc
 
 

@@ -549,8 +549,7 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
     step expects one, ``SIDE_STREAM_ARCHS``; ``TUNING`` over it). Rows are a multiple of
     FOLD_ROWS that divides dv, or the cache's row block (gcd(dv, 32), a power of two: 16 for dv =
     80, 8 for dv = 8 or 24) where dv is not a multiple of FOLD_ROWS or is at most FOLD_ROWS: a
-    program owns whole NVFP4 global-scale blocks (``formats.global_scale_index``), one or several.
-    No products on tensor cores for an NVFP4 read copy."""
+    program owns whole NVFP4 global-scale blocks (``formats.global_scale_index``), one or several."""
     fmt = cache.precision.read_format.name
     found = BASE_SHAPE
     for least, fields in SHAPES[(arch, fmt)]:
@@ -564,8 +563,7 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
         rows = cache.row_block
     elif rows % FOLD_ROWS or rows > cache.dv or cache.dv % rows:
         rows = FOLD_ROWS
-    output_dot = found.output_dot and fmt != "nvfp4"
-    return found._replace(rows=rows, output_dot=output_dot, stream=found.stream if output_dot else 0)
+    return found._replace(rows=rows, stream=found.stream if found.output_dot else 0)
 
 
 def parse_shape(text: str) -> dict:

@@ -332,9 +332,9 @@ def _kda_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, rk
         pin_vector_width(rv_ptr, mat, rv, ck, h < 0, DV, DK, PIN)
     if OUTPUT_DOT:  # every S_read kd_s and S_read qd_s of the step in one product
         if STREAM:
-            KB: tl.constexpr = 32 if DKP >= 32 else DKP  # one fp8 scale block, or the whole padded row
-            SQ = streamed_products(rv_ptr, rs_ptr, mat, rv, kd_ptr, qd_ptr, pid_b, HV, head, T, 2 * T, DV, DK, R_FMT,
-                                   QP, KB, STREAM)
+            KB: tl.constexpr = 32 if DKP >= 32 else DKP  # one fp8 scale block (two NVFP4 ones), or the padded row
+            SQ = streamed_products(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, kd_ptr, qd_ptr, pid_b,
+                                   HV, head, T, 2 * T, DV, DK, R_FMT, QP, KB, STREAM)
         else:
             SQ = products_on_tensor_cores(ra, rb, rsc, Q, R_FMT)
     for s in tl.static_range(T):
