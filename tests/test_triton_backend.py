@@ -77,14 +77,14 @@ WIDE = {"mamba2": dict(nheads=2, headdim=64, dstate=32, ngroups=1),
 @pytest.mark.parametrize("arch, variant", [("mamba2", "default"), ("gdn", "default"),
                                            ("mamba2", "window8"), ("gdn", "window8"),
                                            ("mamba2", "rows64"), ("gdn", "rows64"),
-                                           ("gdn", "output_dot"), ("gdn", "stream"),
+                                           ("gdn", "output_dot"), ("gdn", "stream"), ("mamba2", "stream"),
                                            ("mamba2", "split"), ("gdn", "split"), ("gdn", "beside"),
                                            ("gdn", "beside_split"), ("mamba2", "beside")])
 def test_triton_s32_matches_float64_reference(arch, variant):
     """Decode and verify rounds of every draft length and accept count, with pads and staggered
     slots, across refreshes: the default launch policy at a full 16-entry window (every step of
-    the residual solve runs) and at 8; 64-row programs folding two 32-row sub-tiles; GDN's
-    read-copy products on tensor cores at every draft length, loaded whole or streamed; and the
+    the residual solve runs) and at 8; 64-row programs folding two 32-row sub-tiles; the read-copy
+    products on tensor cores at every draft length (GDN: loaded whole or streamed); and the
     refresh in a launch of its own, whose one program per tile (``launch.refresh_grid`` of 4 slots)
     refreshes every slot due in turn; and the slots due refreshed and stepped in a launch of their
     own (``StepShape.beside``: each refresh a branch of its step, or after a refresh launch), the
@@ -178,7 +178,7 @@ def test_triton_low_precision_agrees_with_torch_backend(arch, precision):
                                                  caches[1].counters(slots).values()))
 
 
-@pytest.mark.parametrize("arch", ["gdn", "kda"])
+@pytest.mark.parametrize("arch", ["gdn", "kda", "mamba2"])
 @pytest.mark.parametrize("preset, tuning", [("tp16_hi32", {}), ("tpbf16_hi32", {}), ("tp8_hi32", {}),
                                             ("tp4_hi32", dict(rows=64, output_dot=True, stream=2)),
                                             ("tp4_hi32", dict(rows=32, output_dot=True, stream=2)),
@@ -187,13 +187,20 @@ def test_verify_products_from_narrow_read_copies_are_fp32_accurate(arch, preset,
     """A verify of 4 drafts right after a load computes its outputs from the read copy alone, its
     products on tensor cores with the read copy's values as they are stored and the keys and queries
     split into 16-bit pieces (``formats.exact_operand_products``; NVFP4 values times their block
-    scales in fp16, streamed over programs of one or two global-scale blocks, or decoded whole):
-    against the float64 recurrence started from the decoded read copy, within fp32 accuracy. Started
-    from the state that was loaded instead, the reference differs by the read format's rounding,
-    which the bound catches (a single pass over 16-bit keys and queries would round them alike)."""
+    scales in fp16, streamed over programs of one or two global-scale blocks, or decoded whole;
+    Mamba-2 always streamed): against the float64 recurrence started from the decoded read copy,
+    within fp32 accuracy. Started from the state that was loaded instead, the reference differs by
+    the read format's rounding, which the bound catches (a single pass over 16-bit keys and queries
+    would round them alike)."""
     from replayssm._triton import launch
 
-    layer = helpers.make_layer(arch, 0, num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=64)
+    dims = dict(nheads=2, headdim=64, dstate=32, ngroups=1) if arch == "mamba2" else dict(
+        num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=64)
+    if arch == "mamba2":
+        tuning = dict(tuning, output_dot=True)  # Mamba-2 takes row reductions unless told
+        layer = TritonLayer(arch, **dims)
+    else:
+        layer = helpers.make_layer(arch, 0, **dims)
     g = helpers.generator(11)
     cache = layer.cache(3, window=16, max_draft=4, precision=preset)
     slots = torch.tensor([2, 0])
@@ -203,7 +210,9 @@ def test_verify_products_from_narrow_read_copies_are_fp32_accurate(arch, preset,
     tok = layer.tokens(g, 2, 4)
     launch.TUNING.update(tuning)
     try:
-        if arch == "kda":
+        if arch == "mamba2":
+            y = layer.run(cache, slots, tok, verify=True)
+        elif arch == "kda":
             y = rs.kda_verify(cache, slots, **tok, use_qk_l2norm=True, backend="triton")
         else:
             y = rs.gdn_verify(cache, slots, **tok, use_qk_l2norm=True, backend="triton")

@@ -440,14 +440,15 @@ def _nvfp4_chunk(v_ptr, s_ptr, row, k0, W: tl.constexpr, KB: tl.constexpr):
 
 
 @triton.jit
-def streamed_products(v_ptr, s_ptr, g_ptr, mat, gidx, rv, a_ptr, b_ptr, pid_b, NH, hidx, T: tl.constexpr,
-                      ROWS: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr, QP: tl.constexpr,
-                      KB: tl.constexpr, STAGES: tl.constexpr):
+def streamed_products(v_ptr, s_ptr, g_ptr, mat, gidx, rv, a_ptr, b_ptr, pid_b, hidx, sqb, sqt, sqh, sqe,
+                      T: tl.constexpr, ROWS: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr,
+                      QP: tl.constexpr, KB: tl.constexpr, STAGES: tl.constexpr):
     """``products_on_tensor_cores`` without the read copy's tile in registers: S_read Q^T [BV, QP]
     accumulated over KB columns at a time, in a loop that Triton software-pipelines (STAGES
     chunks in flight through shared memory), so a program holds one [BV, KB] chunk instead of
     [BV, DK]. Query row r < T is token r of ``a_ptr``, T <= r < ROWS (ROWS = T or 2T) token
-    r - T of ``b_ptr`` (both [b, T, NH, DK] fp32, head ``hidx``), other rows zero. fp32 read
+    r - T of ``b_ptr`` (both [b, T, heads, DK] of strides sq*, any float dtype, head ``hidx``), other
+    rows zero. fp32 read
     copies: 3-pass tf32 (fp32-accurate); fp16, bf16 and fp8 (KB = 32: one block scale per row and
     chunk, applied to the chunk's products): ``exact_operand_products``. NVFP4: each chunk decoded
     to fp16 with its e4m3 block scales applied there, exactly (``_nvfp4_chunk``), products as for
@@ -456,7 +457,7 @@ def streamed_products(v_ptr, s_ptr, g_ptr, mat, gidx, rv, a_ptr, b_ptr, pid_b, N
     row = mat * DV + rv
     W: tl.constexpr = stored_width(DK, FMT)
     r = tl.arange(0, QP)[:, None]
-    at = ((pid_b * T + r % T) * NH + hidx) * DK
+    at = pid_b * sqb + (r % T) * sqt + hidx * sqh
     acc = tl.zeros((rv.shape[0], QP), dtype=tl.float32)
     for k0 in tl.range(0, DK, KB, num_stages=STAGES):
         cols = k0 + tl.arange(0, KB)
@@ -464,8 +465,10 @@ def streamed_products(v_ptr, s_ptr, g_ptr, mat, gidx, rv, a_ptr, b_ptr, pid_b, N
         S = 0.0
         if FMT != 4:
             S = tl.load(v_ptr + row[:, None] * W + cols[None, :], mask=ok, other=0.0)
-        Q = tl.where(r < T, tl.load(a_ptr + at + cols[None, :], mask=(r < T) & ok, other=0.0),
-                     tl.load(b_ptr + at + cols[None, :], mask=(r >= T) & (r < ROWS) & ok, other=0.0)).to(tl.float32)
+        Q = tl.load(a_ptr + at + cols[None, :] * sqe, mask=(r < T) & ok, other=0.0).to(tl.float32)
+        if ROWS > T:
+            Q = tl.where(r < T, Q, tl.load(b_ptr + at + cols[None, :] * sqe, mask=(r >= T) & (r < ROWS) & ok,
+                                           other=0.0).to(tl.float32))
         if FMT == 0:
             acc = tl.dot(S.to(tl.float32), tl.trans(Q), acc, input_precision="tf32x3")
         elif FMT == 3:

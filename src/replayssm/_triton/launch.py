@@ -403,7 +403,7 @@ class StepShape(NamedTuple):
     rows: int        #: state rows of a head per program (a multiple of FOLD_ROWS, or the cache's row block)
     warps: int       #: warps per program
     pin: int         #: elements per thread pinned on the read-copy load (``formats.pin_vector_width``), 0 = none
-    output_dot: bool  #: the read-copy products of all queries as one tensor-core product
+    output_dot: bool  #: the read-copy products of all queries as one tensor-core product (Mamba-2: streamed)
     stream: int      #: with output_dot: chunks in flight of a streamed read copy, 0 = loaded whole
     split: bool = False  #: refresh in a launch of its own before the step (else a branch of the step)
     stages: int = 2  #: column chunks of a refresh's fold in flight (software-pipelined loop)
@@ -563,7 +563,10 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
         rows = cache.row_block
     elif rows % FOLD_ROWS or rows > cache.dv or cache.dv % rows:
         rows = FOLD_ROWS
-    return found._replace(rows=rows, stream=found.stream if found.output_dot else 0)
+    stream = found.stream if found.output_dot else 0
+    if found.output_dot and arch == "mamba2":  # Mamba-2 takes its products streamed only
+        stream = max(stream, 2)
+    return found._replace(rows=rows, stream=stream)
 
 
 def parse_shape(text: str) -> dict:

@@ -371,8 +371,8 @@ def _gdn_step_program(
     if OUTPUT_DOT:  # every S_read k_s and S_read q_s of the step in one product
         if STREAM:  # columns: k_0..k_{T-1}, q_0..q_{T-1}
             KB: tl.constexpr = 32 if DKP >= 32 else DKP  # one fp8 scale block (two NVFP4 ones), or the padded row
-            SQ = streamed_products(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, k_ptr, q_ptr, pid_b,
-                                   HK, khead, T, 2 * T, DV, DK, R_FMT, QP, KB, STREAM)
+            SQ = streamed_products(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, k_ptr, q_ptr, pid_b, khead,
+                                   T * HK * DK, HK * DK, DK, 1, T, 2 * T, DV, DK, R_FMT, QP, KB, STREAM)
         else:
             SQ = products_on_tensor_cores(ra, rb, rsc, Q, R_FMT)
     for s in tl.static_range(T):

@@ -333,8 +333,8 @@ def _kda_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, rk
     if OUTPUT_DOT:  # every S_read kd_s and S_read qd_s of the step in one product
         if STREAM:
             KB: tl.constexpr = 32 if DKP >= 32 else DKP  # one fp8 scale block (two NVFP4 ones), or the padded row
-            SQ = streamed_products(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, kd_ptr, qd_ptr, pid_b,
-                                   HV, head, T, 2 * T, DV, DK, R_FMT, QP, KB, STREAM)
+            SQ = streamed_products(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, kd_ptr, qd_ptr, pid_b, head,
+                                   T * HV * DK, HV * DK, DK, 1, T, 2 * T, DV, DK, R_FMT, QP, KB, STREAM)
         else:
             SQ = products_on_tensor_cores(ra, rb, rsc, Q, R_FMT)
     for s in tl.static_range(T):

@@ -37,8 +37,8 @@ from .._triton.launch import advance_row, after_previous_launch
 from .._triton.decay import path_decays, softplus
 from .._triton.window import (ancestor_bits, draft_paths, due_slot, head_window, list_due, pending_tree, slot_cursor,
                               step_item, window_rows)
-from .._triton.formats import (global_scale_index, load_query, load_read, load_tile, matvec, pin_vector_width,
-                               read_copy_from_anchor, within, write_checkpoint)
+from .._triton.formats import (column, global_scale_index, load_query, load_read, load_tile, matvec,
+                               pin_vector_width, read_copy_from_anchor, streamed_products, within, write_checkpoint)
 
 
 @triton.jit
@@ -181,14 +181,16 @@ def _mamba2_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w
 def _token_loads(x_ptr, sxb, sxt, sxh, sxe, C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD, z_ptr, szb, szt, szh, sze,
                  scores_ptr, gammas_ptr, pid_b, head, group, rv, H, G, T: tl.constexpr, LP: tl.constexpr,
                  DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, R_FMT: tl.constexpr, HAS_D: tl.constexpr,
-                 HAS_Z: tl.constexpr):
+                 HAS_Z: tl.constexpr, OUTPUT_DOT: tl.constexpr):
     """The new tokens' inputs to a step program, all issued at once: a tuple indexed by s of
     (the scores launch's weights gamma_{j+1:t} dt_j (B_j . C_s) [LP] and gamma_t, C_s as
-    ``load_query`` gives it, D, x_s [BV], z_s [BV]; D, x_s and z_s zero where not used). x, C, D,
-    z are the caller's, read through their strides."""
+    ``load_query`` gives it (zeros with OUTPUT_DOT), D, x_s [BV], z_s [BV]; D, x_s and z_s zero
+    where not used). x, C, D, z are the caller's, read through their strides."""
     tokens_in = ()
     for s in tl.static_range(T):
-        qa, qb = load_query(C_ptr + pid_b * sCb + s * sCt + group * sCh, sCe, DK, DKP, R_FMT)
+        qa, qb = 0.0, 0.0
+        if not OUTPUT_DOT:
+            qa, qb = load_query(C_ptr + pid_b * sCb + s * sCt + group * sCh, sCe, DK, DKP, R_FMT)
         D, xq, zq = 0.0, 0.0, 0.0
         if HAS_D:
             D = tl.load(D_ptr + head * sD).to(tl.float32)
@@ -211,9 +213,12 @@ def _mamba2_step_program(
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
         BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
         R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-        PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr):
+        PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr,
+        OUTPUT_DOT: tl.constexpr, QP: tl.constexpr, STREAM: tl.constexpr):
     """Rows pid_v BV .. (pid_v + 1) BV of ``head`` of batch row ``pid_b`` (storage row ``row``, h
-    committed entries, ``need``: due to refresh, folded here first when REFRESH)."""
+    committed entries, ``need``: due to refresh, folded here first when REFRESH). OUTPUT_DOT: the
+    read-copy products S_read C_s of every token as one tensor-core product streamed over column
+    chunks (``formats.streamed_products``, STREAM chunks in flight), else row reductions."""
     group = head // (H // G)
     mat = row * H + head
     gidx = global_scale_index(mat, pid_v * BV, BV, DV)  # NVFP4: the global scales of these rows
@@ -230,18 +235,28 @@ def _mamba2_step_program(
     h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
     # the read copy in its own layout (the anchor itself when shared), then everything else a
     # program reads, all issued before any arithmetic so that it waits on memory once
-    ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, DKP, R_FMT)
+    if OUTPUT_DOT:
+        ra, rb, rsc = 0.0, 0.0, 0.0
+    else:
+        ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, DKP, R_FMT)
     X = window_rows(bx_ptr, x_ptr, sxb, sxt, sxh, sxe, row, pid_b, h, head, H, rv, DV, T, L, LP)
     tokens_in = _token_loads(x_ptr, sxb, sxt, sxh, sxe, C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD, z_ptr, szb, szt, szh,
                              sze, scores_ptr, gammas_ptr, pid_b, head, group, rv, H, G, T, LP, DV, DK, DKP, R_FMT,
-                             HAS_D, HAS_Z)
+                             HAS_D, HAS_Z, OUTPUT_DOT)
     if PIN:
         pin_vector_width(rv_ptr, mat, rv, ck, h < 0, DV, DK, PIN)
     new = (j >= h) & (j < h + T)
+    if OUTPUT_DOT:  # column s: S_read C_s
+        KB: tl.constexpr = 32 if DKP >= 32 else DKP  # one fp8 scale block (two NVFP4 ones), or the padded row
+        SC = streamed_products(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, C_ptr, C_ptr, pid_b, group, sCb, sCt, sCh, sCe,
+                               T, T, DV, DK, R_FMT, QP, KB, STREAM)
     for s in tl.static_range(T):  # y_s = gamma_t S_read q + sum_j gamma_{j+1:t} dt_j (k_j . q) x_j
         q_tok = pid_b * T + s
         w, gamma, qa, qb, D, xq, zq = tokens_in[s]  # the scores launch's weights [LP] and gamma_t
-        y = gamma * matvec(ra, rb, rsc, qa, qb, R_FMT)
+        if OUTPUT_DOT:
+            y = gamma * column(SC, s)
+        else:
+            y = gamma * matvec(ra, rb, rsc, qa, qb, R_FMT)
         y += tl.sum(X * w[:, None], 0)
         if HAS_D:
             y += D * xq
@@ -269,8 +284,9 @@ def _mamba2_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_pt
                         BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr,
                         A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr,
                         HAS_D: tl.constexpr, HAS_Z: tl.constexpr, PIN: tl.constexpr, REFRESH: tl.constexpr,
-                        STAGES: tl.constexpr, READ_AFTER: tl.constexpr, DUE: tl.constexpr,
-                        ROUNDS: tl.constexpr, COMMIT: tl.constexpr, F1: tl.constexpr, F1P: tl.constexpr,
+                        STAGES: tl.constexpr, READ_AFTER: tl.constexpr, OUTPUT_DOT: tl.constexpr,
+                        QP: tl.constexpr, STREAM: tl.constexpr, DUE: tl.constexpr, ROUNDS: tl.constexpr,
+                        COMMIT: tl.constexpr, F1: tl.constexpr, F1P: tl.constexpr,
                         W1: tl.constexpr, F2: tl.constexpr, F2P: tl.constexpr, W2: tl.constexpr, F3: tl.constexpr,
                         F3P: tl.constexpr, W3: tl.constexpr, PDL: tl.constexpr):
     """Program (v, head, c), c a batch row or, with DUE = ``launch.DUE_ONLY``, the slots due of
@@ -291,7 +307,7 @@ def _mamba2_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_pt
                 as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, x_ptr, sxb, sxt, sxh, sxe,
                 C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD, z_ptr, szb, szt, szh, sze, scores_ptr, gammas_ptr,
                 y_ptr, H, G, T, L, LP, DV, DK, DKP, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, HAS_D, HAS_Z, PIN,
-                REFRESH, STAGES, READ_AFTER)
+                REFRESH, STAGES, READ_AFTER, OUTPUT_DOT, QP, STREAM)
             advance_row(pid_b, valid, row, tl.where(need, 0, h), need, (pid_v == 0) & (head == 0), need & REFRESH,
                         tokens_ptr, committed_ptr, pending_ptr, refreshes_ptr, done_ptr, s1, s1b, s1t, s1h, s1e, d1,
                         s2, s2b, s2t, s2h, s2e, d2, s3, s3b, s3t, s3h, s3e, d3, T, L, COMMIT, F1, F1P, W1, F2, F2P,
@@ -346,7 +362,8 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
                  G, *advanced)
     step_consts = dict(T=T, L=cache.window, LP=LP, DV=P, DK=N, DKP=DKP, BV=shape.rows, FR=FR, KC=KC,
                        HAS_D=D is not None, HAS_Z=z is not None, PIN=shape.pin, STAGES=shape.stages,
-                       READ_AFTER=read_after, num_warps=shape.warps, **consts, **advance_consts)
+                       READ_AFTER=read_after, OUTPUT_DOT=shape.output_dot, QP=max(16, triton.next_power_of_2(T)),
+                       STREAM=shape.stream, num_warps=shape.warps, **consts, **advance_consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
     due_work = [(_mamba2_refresh_kernel, (P // FR, H, programs), refresh, refresh_consts)] if shape.split else []
     launch.step_launches(_mamba2_step_kernel, (P // shape.rows, H), b, shape, programs, rounds, step_args,
