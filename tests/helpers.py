@@ -398,15 +398,15 @@ def any_dims(arch, dv, dk):
     return dict(num_k_heads=1, num_v_heads=2, head_k_dim=dk, head_v_dim=dv)
 
 
-def check_any_dims(layer, preset, tuning, seed):
-    """Decodes and verify rounds of 4 drafts with several accept counts, a pad and staggered slots,
-    refreshes in decodes and in verifies (window 4), under ``launch.TUNING`` = ``tuning``: outputs
-    within the read format's bound of the float64 recurrence (s32_rs: to fp32 accuracy), the
-    committed states of the fp32 anchor to fp32 accuracy, the counters as the refresh rule has them."""
+def refresh_schedule(layer, preset, tuning, seed, rows=None):
+    """A Tracker over 3 slots (window 4, drafts up to 4; states loaded with ``Tracker.load``'s
+    ``rows``) after decodes and verify rounds of 4 drafts with several accept counts, a pad and
+    staggered slots, so that every slot refreshes in decodes and in verifies, run under
+    ``launch.TUNING`` = ``tuning`` (cleared after)."""
     from replayssm._triton import launch  # the Triton backend's tests only
 
     tr = Tracker(layer, layer.cache(3, window=4, max_draft=4, precision=preset), seed=seed)
-    tr.load([0, 1, 2])
+    tr.load([0, 1, 2], rows=rows)
     tr.decode([2, 1])
     launch.TUNING.update(tuning)
     try:
@@ -416,6 +416,15 @@ def check_any_dims(layer, preset, tuning, seed):
             tr.accept([r % 5, 0, 4, (r + 2) % 5])
     finally:
         launch.TUNING.clear()
+    return tr
+
+
+def check_any_dims(layer, preset, tuning, seed):
+    """Decodes and verify rounds of 4 drafts with several accept counts, a pad and staggered slots,
+    refreshes in decodes and in verifies (window 4), under ``launch.TUNING`` = ``tuning``: outputs
+    within the read format's bound of the float64 recurrence (s32_rs: to fp32 accuracy), the
+    committed states of the fp32 anchor to fp32 accuracy, the counters as the refresh rule has them."""
+    tr = refresh_schedule(layer, preset, tuning, seed)
     tr.check_counters([0, 1, 2])
     assert min(tr.refreshes.values()) >= 1
     read = rs.get_precision(preset).read_format.name

@@ -324,8 +324,6 @@ def test_nvfp4_programs_of_several_row_blocks_read_each_its_global_scale(arch, m
     first's, decodes and verify rounds across refreshes at 64-row programs (the refresh a branch and
     a launch of its own) stay within NVFP4's bound of the float64 recurrence; read with the first
     block's scale for all 64 rows, the same steps leave it far behind."""
-    from replayssm._triton import launch
-
     rows = torch.cat([torch.full((32,), 1e-3), torch.ones(32)])
     module = importlib.import_module(f"replayssm.{arch}.triton")
     errors = []
@@ -333,18 +331,8 @@ def test_nvfp4_programs_of_several_row_blocks_read_each_its_global_scale(arch, m
         if broken:
             monkeypatch.setattr(module, "global_scale_index", _first_block_scale)
         for split in (False, True):
-            layer = TritonLayer(arch, **WIDE[arch])
-            tr = helpers.Tracker(layer, layer.cache(3, window=4, max_draft=4, precision="tp4_hi32"), seed=13)
-            tr.load([0, 1, 2], rows=rows)
-            tr.decode([2, 1])
-            launch.TUNING.update(rows=64, warps=4, split=split)
-            try:
-                for r in range(2):
-                    tr.decode([0, -1, 2])
-                    tr.verify([1, -1, 2, 0], 4)
-                    tr.accept([r % 5, 0, 4, (r + 2) % 5])
-            finally:
-                launch.TUNING.clear()
+            tr = helpers.refresh_schedule(TritonLayer(arch, **WIDE[arch]), "tp4_hi32",
+                                          dict(rows=64, warps=4, split=split), 13, rows=rows)
             assert min(tr.refreshes.values()) >= 1
             assert tr.state_error([0, 1, 2]) <= 1e-5  # the fp32 anchor: no read path in it
             errors.append(tr.max_err / tr.max_ref)
