@@ -165,6 +165,15 @@ def global_scale_index(mat, r0, BV: tl.constexpr, DV: tl.constexpr):
 
 
 @triton.jit
+def e2m1_pairs(byte):
+    """The two e2m1 codes of each NVFP4 byte (int16), low nibble first, as fp16: a code's fp16 bit
+    pattern, sign moved to bit 15 and exponent and mantissa to bits 11..9, is its value times 2^-14."""
+    lo = (((byte & 8) << 12) | ((byte & 7) << 9)).to(tl.float16, bitcast=True)
+    hi = (((byte & 128) << 8) | ((byte & 112) << 5)).to(tl.float16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
 def load_tile(v_ptr, s_ptr, g_ptr, mat, gidx, rv, ck, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr):
     """Rows ``rv`` [BV] x columns ``ck`` [BK] of matrix ``mat`` decoded to fp32: all DK columns
     (a tile of DKP), or BK contiguous ones starting at a multiple of 32 (``gidx``: the NVFP4
@@ -182,8 +191,8 @@ def load_tile(v_ptr, s_ptr, g_ptr, mat, gidx, rv, ck, DV: tl.constexpr, DK: tl.c
         half = tl.min(ck, 0) // 2 + tl.arange(0, BK // 2)
         byte = tl.load(v_ptr + row * (W // 2) + half[None, :], mask=within(half, (DK + 1) // 2)[None, :],
                        other=0).to(tl.int16)
-        lo = (((byte & 8) << 12) | ((byte & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = (((byte & 128) << 8) | ((byte & 112) << 5)).to(tl.float16, bitcast=True).to(tl.float32)
+        lo, hi = e2m1_pairs(byte)
+        lo, hi = lo.to(tl.float32), hi.to(tl.float32)
         # fp16 bit patterns of e2m1 codes are the values times 2**-14
         vals = tl.reshape(tl.join(lo, hi), (rv.shape[0], BK)) * 16384.0
         scale = tl.load(s_ptr + row * (W // 16) + ck[None, :] // 16, mask=ok, other=0.0).to(tl.float32)
@@ -322,8 +331,8 @@ def load_read(v_ptr, s_ptr, g_ptr, mat, gidx, rv, DV: tl.constexpr, DK: tl.const
                        mask=ok[:, :, None], other=0)
         byte = byte.to(tl.int16)
         # the fp16 bit pattern of an e2m1 code is its value times 2**-14 (folded into the scale)
-        lo = (((byte & 8) << 12) | ((byte & 7) << 9)).to(tl.float16, bitcast=True).to(tl.float32)
-        hi = (((byte & 128) << 8) | ((byte & 112) << 5)).to(tl.float16, bitcast=True).to(tl.float32)
+        lo, hi = e2m1_pairs(byte)
+        lo, hi = lo.to(tl.float32), hi.to(tl.float32)
         sc = tl.load(s_ptr + row[:, None] * (W // 16) + nb[None, :], mask=ok, other=0.0).to(tl.float32) * (
             tl.load(g_ptr + gidx) * 16384.0)
         return lo, hi, sc
@@ -431,8 +440,7 @@ def _nvfp4_chunk(v_ptr, s_ptr, row, k0, W: tl.constexpr, KB: tl.constexpr):
     half = k0 // 2 + tl.arange(0, KB // 2)
     byte = tl.load(v_ptr + row[:, None] * (W // 2) + half[None, :], mask=within(half, W // 2)[None, :],
                    other=0).to(tl.int16)
-    lo = (((byte & 8) << 12) | ((byte & 7) << 9)).to(tl.float16, bitcast=True)
-    hi = (((byte & 128) << 8) | ((byte & 112) << 5)).to(tl.float16, bitcast=True)
+    lo, hi = e2m1_pairs(byte)
     vals = tl.reshape(tl.join(lo, hi), (BV, KB // 16, 16)) * tl.full((), 16384.0, tl.float16)
     sb = k0 // 16 + tl.arange(0, KB // 16)
     scale = tl.load(s_ptr + row[:, None] * (W // 16) + sb[None, :], mask=within(sb, W // 16)[None, :], other=0.0)
