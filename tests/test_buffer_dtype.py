@@ -8,8 +8,8 @@ import replayssm as rs
 from helpers import S32_TOL, Tracker, generator, make_layer, snapshot, snapshot_diff
 
 ARCHS = ["mamba2", "gdn", "kda"]
-INPUT_FIELDS = {"mamba2": ("x", "B"), "gdn": ("v",), "kda": ("v",)}
-SOURCE = {"x": "x", "B": "B", "v": "v"}  # buffer field -> token input it holds
+INPUT_FIELDS = {"mamba2": ("x", "B"), "gdn": ("k", "v"), "kda": ("k", "v")}
+SOURCE = {"x": "x", "B": "B", "k": "k", "v": "v"}  # buffer field -> token input it holds
 
 
 def _decode_rounds(layer, cache, tok_dtype, rounds=6, seed=3):
@@ -150,3 +150,54 @@ def test_triton_kernels_read_a_buffer_that_follows_fp16_inputs(arch):
         assert (y[0] - y[1]).abs().max() <= 1e-6 * max(1.0, y[1].abs().max().item())
     assert all(caches[0].buffer[f].dtype == torch.float16 for f in INPUT_FIELDS[arch])
     assert caches[0].counters(torch.tensor([0, 1]))["refreshes"].tolist() == [1, 1]
+
+
+def _decode_keys(arch, backend, tok_dtype, buffer_dtype, seed):
+    """Three decodes on slots 0, 1 of a window-8 cache with q, k, v cast to ``tok_dtype``: (the
+    cache, the keys given [3, 2, HK, K], the largest output error against the float64 recurrence
+    run on k and v as the buffer holds them: read back from it, since Triton's interpreter casts
+    fp32 to bf16 by truncation where the GPU and torch round to nearest)."""
+    from replayssm.layers import LAYERS as CALLS
+    layer = make_layer(arch)
+    g = generator(seed)
+    cache = layer.cache(2, window=8, buffer_dtype=buffer_dtype)
+    state = 0.5 * torch.randn(2, *layer.state_shape, generator=g)
+    cache.load_state(torch.tensor([0, 1]), state)
+    ref, keys, err = state.double(), [], 0.0
+    for i in range(3):
+        tok = {k: v.to(tok_dtype) if k in ("q", "k", "v") else v for k, v in layer.tokens(g, 2, 1).items()}
+        y = CALLS[arch].call(cache, torch.tensor([0, 1]), tok, {}, False, backend=backend)
+        held = dict(tok, k=cache.buffer["k"][:2, i:i + 1], v=cache.buffer["v"][:2, i:i + 1])
+        yref, ref = layer.reference(ref, held)
+        err = max(err, ((y.double() - yref).abs().max() / yref.abs().max()).item())
+        keys.append(tok["k"][:, 0])
+    return cache, torch.stack(keys), err
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("arch", ["gdn", "kda"])
+def test_keys_are_buffered_as_given_with_their_normalizing_factor(arch, backend):
+    """GDN and KDA buffer each key as the layer gives it (bf16 bits unchanged, before its L2 norm)
+    and the fp32 factor that normalizes it, 1 / sqrt(k . k + 1e-6): no rounding on the way in."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    cache, keys, err = _decode_keys(arch, backend, torch.bfloat16, None, seed=11)
+    assert err <= S32_TOL
+    held = cache.buffer["k"][:2, :3].transpose(0, 1)  # [3 tokens, 2 slots, HK, K]
+    assert held.dtype == torch.bfloat16 and torch.equal(held, keys)
+    expected = torch.rsqrt((keys.float() ** 2).sum(-1) + 1e-6)
+    scale = cache.buffer["k_scale"][:2, :3].transpose(0, 1)
+    assert torch.allclose(scale, expected, rtol=1e-6, atol=0) and not torch.allclose(scale, torch.ones_like(scale))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("arch", ["gdn", "kda"])
+def test_a_new_key_is_the_key_its_replay_reads(arch, backend):
+    """fp32 keys into a bf16 buffer: the key a step uses for its new token is computed from the
+    rounded value the buffer holds, as every later replay of the buffer computes it, so the outputs
+    are those of the recurrence on the rounded keys to fp32 accuracy. Teeth: the new token's key
+    taken from the unrounded input (as if not buffered) misses that by the bf16 rounding."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+    _, _, err = _decode_keys(arch, backend, torch.float32, torch.bfloat16, seed=12)
+    assert err <= S32_TOL

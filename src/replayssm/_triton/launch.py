@@ -77,8 +77,12 @@ def _copy_field(src_ptr, sb, st, sh, se, dst_ptr, pid, row, start, T: tl.constex
     loop that is not unrolled: a whole [T, F] tile (GDN's k: 2048 elements per token) made the
     step kernels that run under a register cap spill."""
     f = tl.arange(0, F_PAD)
+    if sh == W * se:  # one run of F elements (a dense or packed input): no per-head index math, whose
+        off = f * se  # tensors two fields of one size would share, pinning both copies to one layout
+    else:
+        off = (f // W) * sh + (f % W) * se
     for s in tl.range(0, T, num_stages=1):
-        vals = tl.load(src_ptr + pid * sb + s * st + (f // W) * sh + (f % W) * se, mask=f < F)
+        vals = tl.load(src_ptr + pid * sb + s * st + off, mask=f < F)
         tl.store(dst_ptr + (row * L + start + s) * F + f, vals.to(dst_ptr.dtype.element_ty), mask=f < F)
 
 
@@ -87,16 +91,18 @@ def advance_row(pid_b, valid, row, start, need, first, counted, tokens_ptr, comm
                 refreshes_ptr, done_ptr, s1, s1b: tl.constexpr, s1t: tl.constexpr, s1h: tl.constexpr,
                 s1e: tl.constexpr, d1, s2, s2b: tl.constexpr, s2t: tl.constexpr, s2h: tl.constexpr,
                 s2e: tl.constexpr, d2, s3, s3b: tl.constexpr, s3t: tl.constexpr, s3h: tl.constexpr,
-                s3e: tl.constexpr, d3, T: tl.constexpr, L: tl.constexpr, COMMIT: tl.constexpr, F1: tl.constexpr,
+                s3e: tl.constexpr, d3, s4, s4b: tl.constexpr, s4t: tl.constexpr, s4h: tl.constexpr,
+                s4e: tl.constexpr, d4, T: tl.constexpr, L: tl.constexpr, COMMIT: tl.constexpr, F1: tl.constexpr,
                 F1P: tl.constexpr, W1: tl.constexpr, F2: tl.constexpr, F2P: tl.constexpr, W2: tl.constexpr,
-                F3: tl.constexpr, F3P: tl.constexpr, W3: tl.constexpr):
+                F3: tl.constexpr, F3P: tl.constexpr, W3: tl.constexpr, F4: tl.constexpr, F4P: tl.constexpr,
+                W4: tl.constexpr):
     """The last statement of a step program on batch row ``pid_b`` (storage ``row``, ``valid``: not
-    a pad): one program per batch row advances it, writing the new tokens' three shared buffer
-    fields (s_i, a [b, T, ...] view of strides s_ib, s_it, s_ih, s_ie, into the contiguous buffer
-    d_i [rows, L, F_i]) at positions ``start`` (h, or 0 after a refresh) .. start + T - 1, and the
-    cursors. Which program: where no program of the launch reads the row's buffered shared fields
-    (``counted`` false: no refresh folds in this launch), the ``first`` one (row block 0 of head 0);
-    otherwise the last of the row's programs to finish, counted in ``done`` [rows] (then reset to
+    a pad): one program per batch row advances it, writing the new tokens' shared buffer fields,
+    three or four (s_i, a [b, T, ...] view of strides s_ib, s_it, s_ih, s_ie, into the contiguous
+    buffer d_i [rows, L, F_i]; F4 = 0: no fourth) at positions ``start`` (h, or 0 after a refresh)
+    .. start + T - 1, and the cursors. Which program: where no program of the launch reads the
+    row's buffered shared fields (``counted`` false: no refresh folds in this launch), the
+    ``first`` one (row block 0 of head 0); otherwise the last of the row's programs to finish, counted in ``done`` [rows] (then reset to
     zero), because the fold of the others reads the entries the new tokens overwrite. So the
     advance needs no launch of its own."""
     if valid:
@@ -110,6 +116,8 @@ def advance_row(pid_b, valid, row, start, need, first, counted, tokens_ptr, comm
             _copy_field(s1, s1b, s1t, s1h, s1e, d1, pid_b, row, start, T, L, F1, F1P, W1)
             _copy_field(s2, s2b, s2t, s2h, s2e, d2, pid_b, row, start, T, L, F2, F2P, W2)
             _copy_field(s3, s3b, s3t, s3h, s3e, d3, pid_b, row, start, T, L, F3, F3P, W3)
+            if F4 > 0:
+                _copy_field(s4, s4b, s4t, s4h, s4e, d4, pid_b, row, start, T, L, F4, F4P, W4)
             if need:
                 tl.store(refreshes_ptr + row, tl.load(refreshes_ptr + row) + 1)
             if COMMIT:
@@ -334,17 +342,29 @@ def head_stride(t) -> int:
     return 0 if t is None else t.stride(0)
 
 
+#: Shared buffer fields ``advance_row`` writes at most (GDN and KDA: k, its scale, g, beta).
+ADVANCE_FIELDS = 4
+
+
 def advance_args(cache, commit: bool, shared_fields: dict) -> tuple[tuple, dict]:
-    """(arguments, constexprs) of ``advance_row`` for a step kernel: the cursors and the three
-    shared buffer fields (name -> input [b, T, heads(, width)], any strides) of the new tokens.
-    The arguments follow the step kernel's own, from ``committed_ptr`` on."""
+    """(arguments, constexprs) of ``advance_row`` for a step kernel: the cursors and the three or
+    four shared buffer fields (name -> input [b, T, heads(, width)], any strides) of the new
+    tokens. The arguments follow the step kernel's own, from ``committed_ptr`` on."""
     args = [cache.committed, cache.pending, cache.refreshes, cache.programs_done]
     consts = dict(COMMIT=commit)
-    for i, (name, src) in enumerate(shared_fields.items(), 1):
-        F = math.prod(src.shape[2:])
-        args += [src, *token_strides(src), cache.buffer[name]]
-        consts.update({f"F{i}": F, f"F{i}P": triton.next_power_of_2(F), f"W{i}": src.shape[3] if src.dim() > 3 else 1})
+    items = list(shared_fields.items())
+    for i in range(1, ADVANCE_FIELDS + 1):
+        if i <= len(items):
+            name, src = items[i - 1]
+            F = math.prod(src.shape[2:])
+            args += [src, *token_strides(src), cache.buffer[name]]
+            consts.update({f"F{i}": F, f"F{i}P": triton.next_power_of_2(F),
+                           f"W{i}": src.shape[3] if src.dim() > 3 else 1})
+        else:  # no such field: never dereferenced
+            args += [cache.committed, 0, 0, 0, 0, cache.committed]
+            consts.update({f"F{i}": 0, f"F{i}P": 1, f"W{i}": 1})
     return tuple(args), consts
+
 
 
 def format_args(cache):

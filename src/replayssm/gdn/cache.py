@@ -12,11 +12,13 @@ class GDNCache(ReplayCache):
     """Checkpoints and replay buffers for one Gated DeltaNet layer over ``num_slots`` sequences.
 
     State per slot [num_v_heads, head_v_dim, head_k_dim] (= [HV, V, K], the layout of vLLM's
-    packed decode); value head h reads key head h // (HV / HK). Buffer fields per token: raw
-    ``k`` [HK, K] (fp32, after optional L2 norm) and ``v`` [HV, V] (buffer_dtype), ``g`` and ``beta``
-    [HV] fp32 (kept raw so that refresh re-solves residuals from the anchor), and the read-path
-    residuals ``u`` [HV, V] fp32 (reused by later outputs of the same window). ``buffer_dtype``
-    None (default): v's dtype at the first decode or verify, so v is buffered exactly as given.
+    packed decode); value head h reads key head h // (HV / HK). Buffer fields per token: ``k``
+    [HK, K] and ``v`` [HV, V] as given (buffer_dtype), ``k_scale`` [HK] fp32 (the factor that
+    normalizes the key: k_scale * k is the key the recurrence uses; 1 / sqrt(k . k + 1e-6) with
+    ``use_qk_l2norm``, else 1), ``g`` and ``beta`` [HV] fp32 (kept raw so that refresh re-solves
+    residuals from the anchor), and the read-path residuals ``u`` [HV, V] fp32 (reused by later
+    outputs of the same window). ``buffer_dtype`` None (default): v's dtype at the first decode or
+    verify, so bf16 inputs are buffered exactly as given, in half the bytes of fp32 ones.
     """
 
     kind = "gdn"
@@ -36,9 +38,10 @@ class GDNCache(ReplayCache):
         self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         f32 = torch.float32
-        # k is stored in fp32: it is L2-normalized in fp32 before storage, and rounding the
-        # normalized key to a 16-bit buffer would add an error the conventional kernel lacks
-        fields = {"k": ((num_k_heads, head_k_dim), f32), "v": ((num_v_heads, head_v_dim), None),
+        # k is stored as given with its normalizing factor, not normalized: a normalized key rounded
+        # to a 16-bit buffer would add an error the conventional kernel lacks
+        fields = {"k": ((num_k_heads, head_k_dim), None), "k_scale": ((num_k_heads,), f32),
+                  "v": ((num_v_heads, head_v_dim), None),
                   "g": (self.decay_shape(num_v_heads, head_k_dim), f32), "beta": ((num_v_heads,), f32),
                   "u": ((num_v_heads, head_v_dim), f32)}
         super().__init__(num_slots, num_v_heads, head_v_dim, head_k_dim, window=window,

@@ -24,6 +24,17 @@ def l2norm(x, eps=1e-6):
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
+def buffered_keys(k, dtype, use_qk_l2norm):
+    """(k as the buffer holds it, of ``dtype``; k_scale [..., HK] fp32, the factor that normalizes
+    it: 1 / sqrt(k . k + 1e-6) of the buffered k with ``use_qk_l2norm``, else 1; the key the
+    recurrence uses, k_scale * k in fp32). Computed from the buffered k, so a replay of the
+    buffer (``replay.keys``) gives the same key back bit for bit."""
+    k = k.to(dtype)
+    kf = k.float()
+    k_scale = torch.rsqrt((kf * kf).sum(-1) + 1e-6) if use_qk_l2norm else torch.ones_like(kf[..., 0])
+    return k, k_scale, kf * k_scale[..., None]
+
+
 def _check(cache, slots, q, k, v, g, beta, scale, draft: bool, gate=None):
     """Validate every argument; returns the slots as contiguous int64. ``gate``: the raw gate
     inputs (a, b, A_log, dt_bias), given instead of g and beta."""
@@ -82,10 +93,10 @@ def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend,
         o = out if out is not None and out.is_contiguous() else torch.empty(v.shape, dtype=out_dtype, device=v.device)
         kernels.step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, o, gate, parents)
         return o if out is None or o is out else out.copy_(o)
-    q, k = (l2norm(q), l2norm(k)) if use_qk_l2norm else (q.float(), k.float())
-    q = q * scale
+    q = (l2norm(q) if use_qk_l2norm else q.float()) * scale
+    k, k_scale, _ = buffered_keys(k, cache.buffer_dtype, use_qk_l2norm)
     g, beta = gates(*gate) if gate is not None else (g.float(), beta.float())
-    entries = {"k": k, "v": v, "g": g, "beta": beta}
+    entries = {"k": k, "k_scale": k_scale, "v": v, "g": g, "beta": beta}
     o = torch_step(cache, slots, q.shape[1], entries,
                    lambda state, buf, h, vis=None: replay.outputs(state, buf, h, q, vis), commit, parents)
     return o.to(out_dtype) if out is None else out.copy_(o)

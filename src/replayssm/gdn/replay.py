@@ -18,6 +18,12 @@ import torch
 from ..step import path_log_decay, segment_log_decay
 
 
+def keys(buf):
+    """The buffered keys the recurrence uses, fp32 [b, L, HK, K]: the keys as given times their
+    normalizing factors (``buf["k_scale"]``)."""
+    return buf["k"].float() * buf["k_scale"][..., None]
+
+
 def heads_of_groups(t, nheads):
     """[b, L, HK, K] -> [b, L, HV, K]: value head h reads key head h // (HV / HK)."""
     return t.repeat_interleave(nheads // t.shape[2], dim=2)
@@ -52,11 +58,12 @@ def _solve(state, k, buf, c, solve_rows, cached_u=None, visible=None):
 def fold(state, buf, count):
     """Committed state after ``count`` entries, residuals re-solved from ``state`` (the anchor).
 
-    state fp32 [b, HV, V, K]; buf: k [b, L, HK, K], v [b, L, HV, V], g/beta [b, L, HV], entries
+    state fp32 [b, HV, V, K]; buf: k [b, L, HK, K], k_scale [b, L, HK], v [b, L, HV, V], g/beta
+    [b, L, HV], entries
     past count zero; count int64 [b]. Returns fp32 [b, HV, V, K].
     """
     HV, L = state.shape[1], buf["g"].shape[1]
-    k = heads_of_groups(buf["k"].float(), HV)
+    k = heads_of_groups(keys(buf), HV)
     c = buf["g"].cumsum(1)
     solve_rows = torch.arange(L, device=k.device)[None, :] < count[:, None]
     u = _solve(state, k, buf, c, solve_rows)
@@ -75,7 +82,7 @@ def outputs(state, buf, h, q, visible=None):
     Returns (o fp32 [b, T, HV, V], {"u": fp32 [b, T, HV, V]}).
     """
     HV, L, T = state.shape[1], buf["g"].shape[1], q.shape[1]
-    k = heads_of_groups(buf["k"].float(), HV)
+    k = heads_of_groups(keys(buf), HV)
     qh = heads_of_groups(q, HV)
     g = buf["g"]
     pos = torch.arange(L, device=h.device)

@@ -84,21 +84,23 @@ def _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L: tl.cons
 
 
 @triton.jit
-def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, skb: tl.constexpr, skt: tl.constexpr,
-                       skh: tl.constexpr, ske: tl.constexpr, q_ptr, sqb: tl.constexpr, sqt: tl.constexpr,
-                       sqh: tl.constexpr, sqe: tl.constexpr, kn_ptr, qn_ptr, scores_ptr, a_ptr, sab: tl.constexpr,
-                       sat: tl.constexpr, sah: tl.constexpr, b_ptr, sbb: tl.constexpr, sbt: tl.constexpr,
-                       sbh: tl.constexpr, alog_ptr, s_alog: tl.constexpr, dtb_ptr, s_dtb: tl.constexpr, gn_ptr,
-                       betan_ptr, bg_ptr, g_ptr, sgb: tl.constexpr, sgt: tl.constexpr, sgh: tl.constexpr, gammas_ptr,
-                       due_ptr, parents_ptr, gaps_ptr, scale, SCRATCH, B, HK, HV, T: tl.constexpr,
-                       L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, RATIO: tl.constexpr,
-                       NORM: tl.constexpr, GATE: tl.constexpr, HAS_DTB: tl.constexpr, RP: tl.constexpr,
-                       DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, TREE: tl.constexpr, MAXD: tl.constexpr,
-                       PDL: tl.constexpr):
+def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bks_ptr, k_ptr, skb: tl.constexpr,
+                       skt: tl.constexpr, skh: tl.constexpr, ske: tl.constexpr, q_ptr, sqb: tl.constexpr,
+                       sqt: tl.constexpr, sqh: tl.constexpr, sqe: tl.constexpr, kn_ptr, ks_ptr, qn_ptr, scores_ptr,
+                       a_ptr, sab: tl.constexpr, sat: tl.constexpr, sah: tl.constexpr, b_ptr, sbb: tl.constexpr,
+                       sbt: tl.constexpr, sbh: tl.constexpr, alog_ptr, s_alog: tl.constexpr, dtb_ptr,
+                       s_dtb: tl.constexpr, gn_ptr, betan_ptr, bg_ptr, g_ptr, sgb: tl.constexpr, sgt: tl.constexpr,
+                       sgh: tl.constexpr, gammas_ptr, due_ptr, parents_ptr, gaps_ptr, scale, SCRATCH, B, HK, HV,
+                       T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
+                       RATIO: tl.constexpr, NORM: tl.constexpr, GATE: tl.constexpr, HAS_DTB: tl.constexpr,
+                       RP: tl.constexpr, DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, TREE: tl.constexpr,
+                       MAXD: tl.constexpr, PDL: tl.constexpr):
     """Once per (batch row, key head): the T new keys and queries prepared in fp32 (L2-normalized
     when NORM, as flash-linear-attention's l2norm, queries times ``scale``) into kn, qn [b, T, HK, K]
-    for the other launches; the batch row's committed count into ``cursors`` [b]; then, for each
-    value head vh of the key head, the step launch's weights over the entries j of the window
+    for the other launches, and each key's normalizing factor into ks [b, T, HK] for the buffer
+    (which holds the keys as given: the key is computed from the value the buffer will hold, so a
+    replay gives it back bit for bit); the batch row's committed count into ``cursors`` [b]; then,
+    for each value head vh of the key head, the step launch's weights over the entries j of the window
     (committed + new): scores[b, vh, 0, s, j] = e^{g(j, t]} (k_j . q_s) for the entries draft s
     sees (j <= t = h + s for a chain), scores[b, vh, 1, s, j] = e^{g(j, t]} (k_j . k_s) for those
     before it, zero elsewhere, and gammas[b, vh, s] = e^{c_t}, the decay from the checkpoint to t:
@@ -140,7 +142,7 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, skb
     anc = ancestor_bits(parents_ptr, pid_b, valid, T) if TREE else 0
     j = tl.arange(0, LP)
     seen = tl.where(need, 0, h)  # committed entries the new tokens see: none after a refresh
-    K_old = window_keys(bk_ptr, row, khead, seen, ck, HK, DK, L, LP)
+    K_old = window_keys(bk_ptr, bks_ptr, row, khead, seen, ck, HK, DK, L, LP)
     # the key head's value heads' log decays over the window [RP, LP], and the same one entry on
     G = head_window(bg_ptr, g_ptr, sgb, sgt, sgh, gates, row, pid_b, seen, j, vh, mine, HV, T, L, GATE)
     G_next = head_window(bg_ptr, g_ptr, sgb, sgt, sgh, gates, row, pid_b, seen, j + 1, vh, mine, HV, T, L, GATE)
@@ -149,15 +151,21 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, skb
     keys, queries = (), ()
     for s in tl.static_range(T):
         at = ((pid_b * T + s) * HK + khead) * DK + ck
-        k = tl.load(k_ptr + pid_b * skb + s * skt + khead * skh + ck * ske, mask=cols, other=0.0).to(tl.float32)
+        # the key as the buffer will hold it, so that a replay (``window.window_keys``) gives it back
+        k = tl.load(k_ptr + pid_b * skb + s * skt + khead * skh + ck * ske, mask=cols, other=0.0).to(
+            bk_ptr.dtype.element_ty).to(tl.float32)
         q = tl.load(q_ptr + pid_b * sqb + s * sqt + khead * sqh + ck * sqe, mask=cols, other=0.0).to(tl.float32)
         if NORM:
-            k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+            k_scale = 1.0 / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
             q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
+        else:
+            k_scale = 1.0
+        k = k * k_scale
         q = q * scale
         tl.store(kn_ptr + at, k, mask=cols)
         tl.store(qn_ptr + at, q, mask=cols)
-        keys = keys + (k.to(bk_ptr.dtype.element_ty).to(tl.float32),)  # as a later replay reads it back
+        tl.store(ks_ptr + (pid_b * T + s) * HK + khead, k_scale)
+        keys = keys + (k,)
         queries = queries + (q,)
     K = K_old  # the window: committed entries, then the new ones at positions seen + n
     for n in tl.static_range(T):
@@ -175,7 +183,7 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, k_ptr, skb
 
 
 @triton.jit
-def _gdn_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bg_ptr, bbeta_ptr, tinv_ptr, decays_ptr, HK, HV,
+def _gdn_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bks_ptr, bg_ptr, bbeta_ptr, tinv_ptr, decays_ptr, HK, HV,
                       L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, RATIO: tl.constexpr,
                       RP: tl.constexpr, SQUARINGS: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
     """The refresh's solve, for the slots due only (the scores launch's list, ``window.list_due``):
@@ -195,7 +203,7 @@ def _gdn_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bg_ptr, bbeta_ptr
         r = c + it * tl.num_programs(1)
         if r < count:
             pid_b, row, h = due_slot(due_ptr, slots_ptr, cursors_ptr, r)
-            K_c = window_keys(bk_ptr, row, khead, h, ck, HK, DK, L, LP)
+            K_c = window_keys(bk_ptr, bks_ptr, row, khead, h, ck, HK, DK, L, LP)
             gram = tl.dot(K_c, tl.trans(K_c), input_precision="ieee")  # k_j . k_i
             X, ec, es, total = _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L, LP, SQUARINGS)
             base = (pid_b * HV + vh) * LP  # [RP]
@@ -209,7 +217,7 @@ def _gdn_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bg_ptr, bbeta_ptr
 
 @triton.jit
 def _gdn_refresh_rows(pid_b, head, khead, row, h, r0, seeds_ptr, tokens_ptr, tinv_ptr, decays_ptr,
-                      av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, HV, HK,
+                      av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, HV, HK,
                       L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
                       BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
                       R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr,
@@ -239,16 +247,14 @@ def _gdn_refresh_rows(pid_b, head, khead, row, h, r0, seeds_ptr, tokens_ptr, tin
         SK = tl.zeros((FR, LP), dtype=tl.float32)  # S_anchor k_j
         for c in tl.range(0, (DK + SKC - 1) // SKC, num_stages=STAGES):  # a loop, not unrolled: registers
             cols = c * SKC + tl.arange(0, SKC)
-            K_part = tl.load(bk_ptr + (buf_tok[:, None] * HK + khead) * DK + cols[None, :],
-                             mask=old[:, None] & within(cols, DK)[None, :], other=0.0).to(tl.float32)
+            K_part = window_keys(bk_ptr, bks_ptr, row, khead, h, cols, HK, DK, L, LP)
             S_part = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT)
             SK += tl.dot(S_part, tl.trans(K_part), input_precision="tf32x3")
         R = tl.where(old[None, :], beta_c[None, :] * (V_c - ec[None, :] * SK), 0.0)
         U = tl.dot(R, Tinv, input_precision="tf32x3") * es[None, :]  # residuals, decayed to the end
         for c in tl.range(0, (DK + KC - 1) // KC, num_stages=STAGES):  # a loop, not unrolled: registers
             cols = c * KC + tl.arange(0, KC)
-            K_part = tl.load(bk_ptr + (buf_tok[:, None] * HK + khead) * DK + cols[None, :],
-                             mask=old[:, None] & within(cols, DK)[None, :], other=0.0).to(tl.float32)
+            K_part = window_keys(bk_ptr, bks_ptr, row, khead, h, cols, HK, DK, L, LP)
             S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT) * total
             S += tl.dot(U, K_part, input_precision="tf32x3")
             write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, cols, seed,
@@ -259,10 +265,10 @@ def _gdn_refresh_rows(pid_b, head, khead, row, h, r0, seeds_ptr, tokens_ptr, tin
 
 
 @triton.jit
-def _gdn_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, decays_ptr,
-                        av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, due_ptr, HV, HK,
-                        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
-                        DKP: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
+def _gdn_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, decays_ptr, av_ptr, as_ptr, ag_ptr,
+                        rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, due_ptr, HV, HK, T: tl.constexpr,
+                        L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
+                        FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
                         R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr,
                         READ_AFTER: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
     """The refresh in a launch of its own (``StepShape.split``): program (v, head, c) refreshes FR
@@ -276,9 +282,9 @@ def _gdn_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
         if r < count:
             pid_b, row, h = due_slot(due_ptr, slots_ptr, cursors_ptr, r)
             _gdn_refresh_rows(pid_b, head, head // (HV // HK), row, h, pid_v * FR, seeds_ptr, tokens_ptr, tinv_ptr,
-                              decays_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, HV,
-                              HK, L, LP, DV, DK, DKP, FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES,
-                              READ_AFTER)
+                              decays_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr,
+                              bbeta_ptr, HV, HK, L, LP, DV, DK, DKP, FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED,
+                              STAGES, READ_AFTER)
 
 
 @triton.jit
@@ -330,7 +336,7 @@ def _gdn_step_program(
         pid_v, head, pid_b, valid, row, h, need,
         slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, decays_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
-        bk_ptr, bv_ptr, bbeta_ptr, bu_ptr,
+        bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, bu_ptr,
         q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr, gammas_ptr, o_ptr, HV, HK,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr,
@@ -348,8 +354,8 @@ def _gdn_step_program(
     if REFRESH:
         if need:  # refresh: re-solve the committed residuals from the anchor, fold, encode
             _gdn_refresh_rows(pid_b, head, khead, row, h, pid_v * BV, seeds_ptr, tokens_ptr, tinv_ptr, decays_ptr,
-                              av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, HV, HK, L,
-                              LP, DV, DK, DKP, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
+                              av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, HV,
+                              HK, L, LP, DV, DK, DKP, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
             tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
     h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
     # the read copy in its own layout (the anchor itself when shared; with STREAM never whole),
@@ -400,13 +406,14 @@ def _gdn_step_program(
 
 @triton.jit
 def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, decays_ptr, av_ptr, as_ptr, ag_ptr,
-                     rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, bu_ptr, q_ptr, k_ptr, v_ptr,
+                     rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, bu_ptr, q_ptr, k_ptr, v_ptr,
                      svb: tl.constexpr, svt: tl.constexpr, svh: tl.constexpr, sve: tl.constexpr, beta_ptr,
                      sbb: tl.constexpr, sbt: tl.constexpr, sbh: tl.constexpr, scores_ptr, gammas_ptr, o_ptr, due_ptr,
                      SCRATCH, HV, HK, committed_ptr, pending_ptr, refreshes_ptr, done_ptr, s1,
                      s1b: tl.constexpr, s1t: tl.constexpr, s1h: tl.constexpr, s1e: tl.constexpr, d1, s2,
                      s2b: tl.constexpr, s2t: tl.constexpr, s2h: tl.constexpr, s2e: tl.constexpr, d2, s3,
-                     s3b: tl.constexpr, s3t: tl.constexpr, s3h: tl.constexpr, s3e: tl.constexpr, d3,
+                     s3b: tl.constexpr, s3t: tl.constexpr, s3h: tl.constexpr, s3e: tl.constexpr, d3, s4,
+                     s4b: tl.constexpr, s4t: tl.constexpr, s4h: tl.constexpr, s4e: tl.constexpr, d4,
                      T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
                      DKP: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr,
                      A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
@@ -414,7 +421,8 @@ def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, de
                      PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr,
                      DUE: tl.constexpr, ROUNDS: tl.constexpr, COMMIT: tl.constexpr, F1: tl.constexpr, F1P: tl.constexpr,
                      W1: tl.constexpr, F2: tl.constexpr, F2P: tl.constexpr, W2: tl.constexpr, F3: tl.constexpr,
-                     F3P: tl.constexpr, W3: tl.constexpr, PDL: tl.constexpr):
+                     F3P: tl.constexpr, W3: tl.constexpr, F4: tl.constexpr, F4P: tl.constexpr,
+                     W4: tl.constexpr, PDL: tl.constexpr):
     """Program (v, head, c). DUE = ``launch.EVERY_SLOT``: c is the batch row; ``launch.NOT_DUE``:
     the same, but a slot due to refresh is left to a ``launch.DUE_ONLY`` launch; DUE_ONLY: c takes
     the slots due of ranks c, c + n, ... (``window.list_due``, n programs per tile), each refreshed
@@ -431,14 +439,14 @@ def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, de
         if active:
             _gdn_step_program(
                 pid_v, head, pid_b, valid, row, h, need, slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
-                decays_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bv_ptr, bbeta_ptr, bu_ptr, q_ptr,
-                k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr, gammas_ptr, o_ptr, HV, HK, T, L,
-                LP, DV, DK, DKP, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, OUTPUT_DOT, QP, STREAM, PIN, REFRESH,
-                STAGES, READ_AFTER)
+                decays_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, bu_ptr,
+                q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr, gammas_ptr, o_ptr, HV, HK,
+                T, L, LP, DV, DK, DKP, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, OUTPUT_DOT, QP, STREAM, PIN,
+                REFRESH, STAGES, READ_AFTER)
             advance_row(pid_b, valid, row, tl.where(need, 0, h), need, (pid_v == 0) & (head == 0), need & REFRESH,
                         tokens_ptr, committed_ptr, pending_ptr, refreshes_ptr, done_ptr, s1, s1b, s1t, s1h, s1e, d1,
-                        s2, s2b, s2t, s2h, s2e, d2, s3, s3b, s3t, s3h, s3e, d3, T, L, COMMIT, F1, F1P, W1, F2, F2P,
-                        W2, F3, F3P, W3)
+                        s2, s2b, s2t, s2h, s2e, d2, s3, s3b, s3t, s3h, s3e, d3, s4, s4b, s4t, s4h, s4e, d4, T, L,
+                        COMMIT, F1, F1P, W1, F2, F2P, W2, F3, F3P, W3, F4, F4P, W4)
 
 #: Warps of every solve launch (``_gdn_solve_kernel``): one shape for every preset and batch.
 SOLVE_WARPS = 4
@@ -474,13 +482,14 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     scores = torch.empty(b, HV, 2, T, LP, dtype=torch.float32, device=dev)
     gammas = torch.empty(b, HV, T, dtype=torch.float32, device=dev)
     kn = torch.empty(q.shape, dtype=torch.float32, device=dev)
+    k_scale = torch.empty(q.shape[:3], dtype=torch.float32, device=dev)
     qn = torch.empty_like(kn)
     tinv = torch.empty(b, HV, LP, LP, dtype=torch.float32, device=dev)
     decays = torch.empty(b, HV, 3, LP, dtype=torch.float32, device=dev)
     cursors = torch.empty(b, dtype=cache.committed.dtype, device=dev)
     due = torch.empty(b + 1, dtype=torch.int32, device=dev)
-    launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], k, *strides(k), q, *strides(q),
-               kn, qn, scores, *gate_args, buf["g"], g, *strides(g)[:3], gammas, due,
+    launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], buf["k_scale"], k, *strides(k),
+               q, *strides(q), kn, k_scale, qn, scores, *gate_args, buf["g"], g, *strides(g)[:3], gammas, due,
                cursors if parents is None else parents.contiguous(),
                cache.draft_gaps, float(scale), cache.scratch_row, b, HK, HV, T=T, L=cache.window, LP=LP, DK=K,
                DKP=DKP, RATIO=HV // HK, NORM=normalize,
@@ -488,20 +497,20 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
                RP=triton.next_power_of_2(HV // HK), TREE=parents is not None, MAXD=cache.max_draft,
                num_warps=launch.SCORES_WARPS, **launch.due_scan(b, True))
     programs, rounds = launch.refresh_grid(b, T, cache.window)
-    solve = (slots, cursors, due, buf["k"], buf["g"], buf["beta"], tinv, decays, HK, HV)
+    solve = (slots, cursors, due, buf["k"], buf["k_scale"], buf["g"], buf["beta"], tinv, decays, HK, HV)
     solve_consts = dict(L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, RP=triton.next_power_of_2(HV // HK),
                         SQUARINGS=LP.bit_length() - 2, ROUNDS=rounds, num_warps=SOLVE_WARPS)
     FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "gdn")
     read_after = launch.read_copy_after_fold(cache)
     refresh_args = (slots, cursors, cache.tokens, cache.seeds, tinv, decays, *anchor, *read,
-                    buf["k"], buf["v"], buf["beta"], due, HV, HK)
+                    buf["k"], buf["k_scale"], buf["v"], buf["beta"], due, HV, HK)
     refresh_consts = dict(T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, FR=FR, KC=KC, STAGES=shape.stages,
                           READ_AFTER=read_after, ROUNDS=rounds, num_warps=shape.refresh_warps, **consts,
                           **({"maxnreg": shape.refresh_maxnreg} if shape.refresh_maxnreg else {}))
-    advanced, advance_consts = launch.advance_args(cache, commit, {"k": kn, "g": g, "beta": beta})
-    step_args = (slots, cursors, cache.tokens, cache.seeds, tinv, decays, *anchor, *read,
-                 buf["k"], buf["v"], buf["beta"], buf["u"], qn, kn, v, *strides(v), beta, *strides(beta)[:3], scores,
-                 gammas, o, due, cache.scratch_row, HV, HK, *advanced)
+    advanced, advance_consts = launch.advance_args(cache, commit, {"k": k, "k_scale": k_scale, "g": g, "beta": beta})
+    step_args = (slots, cursors, cache.tokens, cache.seeds, tinv, decays, *anchor, *read, buf["k"], buf["k_scale"],
+                 buf["v"], buf["beta"], buf["u"], qn, kn, v, *strides(v), beta, *strides(beta)[:3], scores, gammas, o,
+                 due, cache.scratch_row, HV, HK, *advanced)
     step_consts = dict(T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, BV=shape.rows, FR=FR, KC=KC,
                        OUTPUT_DOT=shape.output_dot, QP=max(16, triton.next_power_of_2(2 * T)), STREAM=shape.stream,
                        PIN=shape.pin, STAGES=shape.stages, READ_AFTER=read_after, num_warps=shape.warps, **consts,

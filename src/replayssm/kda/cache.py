@@ -9,8 +9,9 @@ class KDACache(GDNCache):
     """Checkpoints and replay buffers for one KDA layer over ``num_slots`` sequences.
 
     State per slot [num_v_heads, head_v_dim, head_k_dim] (= [HV, V, K], the Gated DeltaNet
-    layout); value head h reads key head h // (HV / HK). Buffer fields per token: raw ``k``
-    [HK, K] (fp32, after optional L2 norm) and ``v`` [HV, V] (buffer_dtype), the per-channel log
+    layout); value head h reads key head h // (HV / HK). Buffer fields per token: ``k``
+    [HK, K] and ``v`` [HV, V] as given (buffer_dtype), ``k_scale`` [HK] fp32 (k's normalizing
+    factor, as ``GDNCache``), the per-channel log
     decay ``g`` [HV, K] and ``beta`` [HV] fp32 (kept raw so that refresh re-solves residuals from
     the anchor), and the read-path residuals ``u`` [HV, V] fp32 (reused by later outputs of the
     same window).

@@ -14,7 +14,7 @@ import torch
 from .. import checks
 from ..backend import pick_backend
 from ..gdn import ops as gdn_ops
-from ..gdn.ops import l2norm
+from ..gdn.ops import buffered_keys, l2norm
 from ..step import torch_step
 from . import replay
 
@@ -40,9 +40,9 @@ def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend,
         o = out if out is not None and out.is_contiguous() else torch.empty(v.shape, dtype=out_dtype, device=v.device)
         kernels.step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, o, parents)
         return o if out is None or o is out else out.copy_(o)
-    q, k = (l2norm(q), l2norm(k)) if use_qk_l2norm else (q.float(), k.float())
-    q = q * scale
-    entries = {"k": k, "v": v, "g": g.float(), "beta": beta.float()}
+    q = (l2norm(q) if use_qk_l2norm else q.float()) * scale
+    k, k_scale, _ = buffered_keys(k, cache.buffer_dtype, use_qk_l2norm)
+    entries = {"k": k, "k_scale": k_scale, "v": v, "g": g.float(), "beta": beta.float()}
     o = torch_step(cache, slots, q.shape[1], entries,
                    lambda state, buf, h, vis=None: replay.outputs(state, buf, h, q, vis), commit, parents)
     return o.to(out_dtype) if out is None else out.copy_(o)

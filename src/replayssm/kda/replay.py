@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from ..gdn.replay import heads_of_groups
+from ..gdn.replay import heads_of_groups, keys
 from ..step import path_log_decay, segment_log_decay
 
 
@@ -88,11 +88,11 @@ def _solve(state, k, buf, g, solve_rows, cached_u=None, visible=None):
 def fold(state, buf, count):
     """Committed state after ``count`` entries, residuals re-solved from ``state`` (the anchor).
 
-    state fp32 [b, HV, V, K]; buf: k [b, L, HK, K], v [b, L, HV, V], g [b, L, HV, K],
+    state fp32 [b, HV, V, K]; buf: k [b, L, HK, K], k_scale [b, L, HK], v [b, L, HV, V], g [b, L, HV, K],
     beta [b, L, HV], entries past count zero; count int64 [b]. Returns fp32 [b, HV, V, K].
     """
     HV, L = state.shape[1], buf["g"].shape[1]
-    k = heads_of_groups(buf["k"].float(), HV)
+    k = heads_of_groups(keys(buf), HV)
     g = log_decays(buf)
     solve_rows = torch.arange(L, device=k.device)[None, :] < count[:, None]
     u = _solve(state, k, buf, g, solve_rows)
@@ -111,7 +111,7 @@ def outputs(state, buf, h, q, visible=None):
     Returns (o fp32 [b, T, HV, V], {"u": fp32 [b, T, HV, V]}).
     """
     HV, L, T = state.shape[1], buf["g"].shape[1], q.shape[1]
-    k = heads_of_groups(buf["k"].float(), HV)
+    k = heads_of_groups(keys(buf), HV)
     qh = heads_of_groups(q, HV)
     g = log_decays(buf)
     pos = torch.arange(L, device=h.device)

@@ -123,18 +123,19 @@ def _refresh_scalars(bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr, total_p
 
 
 @triton.jit
-def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, k_ptr, skb: tl.constexpr,
+def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bks_ptr, bg_ptr, k_ptr, skb: tl.constexpr,
                        skt: tl.constexpr, skh: tl.constexpr, ske: tl.constexpr, q_ptr, sqb: tl.constexpr,
                        sqt: tl.constexpr, sqh: tl.constexpr, sqe: tl.constexpr, g_ptr, sgb: tl.constexpr,
-                       sgt: tl.constexpr, sgh: tl.constexpr, sge: tl.constexpr, kn_ptr, qn_ptr, kd_ptr, qd_ptr,
+                       sgt: tl.constexpr, sgh: tl.constexpr, sge: tl.constexpr, kn_ptr, ks_ptr, qn_ptr, kd_ptr, qd_ptr,
                        scores_ptr, due_ptr, parents_ptr, gaps_ptr, scale, SCRATCH, B, HK, HV, T: tl.constexpr,
                        L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, RATIO: tl.constexpr,
                        NORM: tl.constexpr, DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, TREE: tl.constexpr,
                        MAXD: tl.constexpr, PDL: tl.constexpr):
     """Once per (batch row, key head): the T new keys and queries prepared in fp32 (L2-normalized
     when NORM, as flash-linear-attention's l2norm; queries times ``scale``) into kn, qn
-    [b, T, HK, K]; the batch row's committed count into ``cursors`` [b]; then per value head of
-    the key head the decay-weighted scores [b, HV, 2, T, LP] and kd, qd [b, T, HV, K]. Program
+    [b, T, HK, K], each key's normalizing factor into ks [b, T, HK] for the buffer (the key is
+    computed from the value the buffer will hold, as GDN's); the batch row's committed count into
+    ``cursors`` [b]; then per value head of the key head the decay-weighted scores [b, HV, 2, T, LP] and kd, qd [b, T, HV, K]. Program
     (0, 0) also lists the slots due to refresh for the solve and refresh launches
     (``window.list_due``). The caller's k, q, g are read through their strides (s*,
     ``launch.token_strides``). TREE: the batch row's draft tree ``parents`` [b, T]; draft s's
@@ -149,12 +150,16 @@ def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, k_
     cols = within(ck, DK)
     for s in tl.static_range(T):
         at = ((pid_b * T + s) * HK + khead) * DK + ck
-        k = tl.load(k_ptr + pid_b * skb + s * skt + khead * skh + ck * ske, mask=cols, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + pid_b * skb + s * skt + khead * skh + ck * ske, mask=cols, other=0.0).to(
+            bk_ptr.dtype.element_ty).to(tl.float32)  # as the buffer will hold it
         q = tl.load(q_ptr + pid_b * sqb + s * sqt + khead * sqh + ck * sqe, mask=cols, other=0.0).to(tl.float32)
         if NORM:
-            k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+            k_scale = 1.0 / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
             q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
-        tl.store(kn_ptr + at, k, mask=cols)
+        else:
+            k_scale = 1.0
+        tl.store(kn_ptr + at, k * k_scale, mask=cols)
+        tl.store(ks_ptr + (pid_b * T + s) * HK + khead, k_scale)
         tl.store(qn_ptr + at, q * scale, mask=cols)
     tl.debug_barrier()  # the rows just written are read back by other threads of the program
     valid, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
@@ -165,7 +170,10 @@ def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, k_
     anc = ancestor_bits(parents_ptr, pid_b, valid, T) if TREE else 0
     j = tl.arange(0, LP)
     h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
-    K = window_rows(bk_ptr, kn_ptr, T * HK * DK, HK * DK, DK, 1, row, pid_b, h, khead, HK, ck, DK, T, L, LP)
+    new = (j >= h) & (j < h + T)  # the window: committed keys, then the new ones
+    K = window_keys(bk_ptr, bks_ptr, row, khead, h, ck, HK, DK, L, LP) + tl.load(
+        kn_ptr + ((pid_b * T + j - h)[:, None] * HK + khead) * DK + ck[None, :], mask=new[:, None] & cols[None, :],
+        other=0.0)
     for vv in tl.range(0, RATIO):
         vhead = khead * RATIO + vv
         G = _log_decays(bg_ptr, g_ptr, sgb, sgt, sgh, sge, row, pid_b, h, vhead, HV, T, L, LP, DK, DKP)
@@ -173,8 +181,7 @@ def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, k_
             t = h + s
             tok = pid_b * T + s
             q = tl.load(qn_ptr + (tok * HK + khead) * DK + ck, mask=cols, other=0.0)
-            k = tl.load(kn_ptr + (tok * HK + khead) * DK + ck, mask=cols, other=0.0).to(bk_ptr.dtype.element_ty).to(
-                tl.float32)
+            k = tl.load(kn_ptr + (tok * HK + khead) * DK + ck, mask=cols, other=0.0)
             seen = draft_view(draft_bits(anc, s, TREE), h, s, LP, TREE)  # j <= t for a chain
             upto = seen[:, None]
             KE = K * tl.where(upto, tl.exp(tl.where(upto, _segments_along(G, seen), float("-inf"))), 0.0)
@@ -187,8 +194,8 @@ def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bg_ptr, k_
 
 
 @triton.jit
-def _kda_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr,
-                      total_ptr, HK, HV, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
+def _kda_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bks_ptr, bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr,
+                      fk_ptr, total_ptr, HK, HV, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
                       RATIO: tl.constexpr, SQUARINGS: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
     """The refresh's scalars (``_refresh_scalars``) for the slots due only (the scores launch's
     list, ``window.list_due``): program (key head, c) takes the slots of ranks c, c + n, ... and
@@ -203,7 +210,7 @@ def _kda_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bg_ptr, g_ptr, bb
         r = c + it * tl.num_programs(1)
         if r < count:
             pid_b, row, h = due_slot(due_ptr, slots_ptr, cursors_ptr, r)
-            K_c = window_keys(bk_ptr, row, khead, h, ck, HK, DK, L, LP)
+            K_c = window_keys(bk_ptr, bks_ptr, row, khead, h, ck, HK, DK, L, LP)
             for vv in tl.range(0, RATIO):  # a loop, not unrolled: registers
                 _refresh_scalars(bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr, K_c, row, pid_b,
                                  khead * RATIO + vv, h, HV, L, LP, DK, DKP, SQUARINGS)
@@ -286,7 +293,8 @@ def _kda_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, rk
                      committed_ptr, pending_ptr, refreshes_ptr, done_ptr, s1,
                      s1b: tl.constexpr, s1t: tl.constexpr, s1h: tl.constexpr, s1e: tl.constexpr, d1, s2,
                      s2b: tl.constexpr, s2t: tl.constexpr, s2h: tl.constexpr, s2e: tl.constexpr, d2, s3,
-                     s3b: tl.constexpr, s3t: tl.constexpr, s3h: tl.constexpr, s3e: tl.constexpr, d3,
+                     s3b: tl.constexpr, s3t: tl.constexpr, s3h: tl.constexpr, s3e: tl.constexpr, d3, s4,
+                     s4b: tl.constexpr, s4t: tl.constexpr, s4h: tl.constexpr, s4e: tl.constexpr, d4,
                      T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
                      DKP: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr,
                      A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr,
@@ -294,7 +302,8 @@ def _kda_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, rk
                      REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr,
                      COMMIT: tl.constexpr, F1: tl.constexpr, F1P: tl.constexpr,
                      W1: tl.constexpr, F2: tl.constexpr, F2P: tl.constexpr, W2: tl.constexpr, F3: tl.constexpr,
-                     F3P: tl.constexpr, W3: tl.constexpr, PDL: tl.constexpr):
+                     F3P: tl.constexpr, W3: tl.constexpr, F4: tl.constexpr, F4P: tl.constexpr,
+                     W4: tl.constexpr, PDL: tl.constexpr):
     after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -360,8 +369,8 @@ def _kda_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, rk
         tl.store(bu_ptr + (tok_buf * HV + head) * DV + rv, u_s)
     advance_row(pid_b, valid, row, tl.where(need, 0, h), need, (pid_v == 0) & (head == 0), need & REFRESH,
                 tokens_ptr, committed_ptr, pending_ptr, refreshes_ptr, done_ptr, s1, s1b, s1t, s1h, s1e, d1,
-                s2, s2b, s2t, s2h, s2e, d2, s3, s3b, s3t, s3h, s3e, d3, T, L, COMMIT, F1, F1P, W1, F2, F2P,
-                W2, F3, F3P, W3)
+                s2, s2b, s2t, s2h, s2e, d2, s3, s3b, s3t, s3h, s3e, d3, s4, s4b, s4t, s4h, s4e, d4, T, L,
+                COMMIT, F1, F1P, W1, F2, F2P, W2, F3, F3P, W3, F4, F4P, W4)
 
 
 def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: bool, o, parents=None):
@@ -385,6 +394,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     f32 = torch.float32
     scores = torch.empty(b, HV, 2, T, LP, dtype=f32, device=dev)
     kn = torch.empty(q.shape, dtype=f32, device=dev)
+    k_scale = torch.empty(q.shape[:3], dtype=f32, device=dev)
     qn = torch.empty_like(kn)
     kd = torch.empty(b, T, HV, K, dtype=f32, device=dev)
     qd = torch.empty_like(kd)
@@ -395,15 +405,15 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     cursors = torch.empty(b, dtype=cache.committed.dtype, device=dev)
     refresh = (tinv, rk, fk, total)
     due = torch.empty(b + 1, dtype=torch.int32, device=dev)
-    launch.run(_kda_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], buf["g"], k, *strides(k), q,
-               *strides(q), g, *strides(g), kn, qn, kd,
-               qd, scores, due, due if parents is None else parents, cache.draft_gaps, float(scale),
-               cache.scratch_row, b, HK, HV, T=T, L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, NORM=normalize,
-               **launch.due_scan(b, True), TREE=parents is not None, MAXD=cache.max_draft)
+    launch.run(_kda_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], buf["k_scale"], buf["g"], k,
+               *strides(k), q, *strides(q), g, *strides(g), kn, k_scale, qn, kd, qd, scores, due,
+               due if parents is None else parents, cache.draft_gaps, float(scale), cache.scratch_row, b, HK, HV, T=T,
+               L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, NORM=normalize, **launch.due_scan(b, True),
+               TREE=parents is not None, MAXD=cache.max_draft)
     n, rounds = launch.refresh_grid(b, T, cache.window)
-    launch.run(_kda_solve_kernel, (HK, n), slots, cursors, due, buf["k"], buf["g"], g, buf["beta"], *refresh, HK, HV,
-               L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, SQUARINGS=LP.bit_length() - 2, ROUNDS=rounds,
-               num_warps=SOLVE_WARPS)
+    launch.run(_kda_solve_kernel, (HK, n), slots, cursors, due, buf["k"], buf["k_scale"], buf["g"], g, buf["beta"],
+               *refresh, HK, HV, L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, SQUARINGS=LP.bit_length() - 2,
+               ROUNDS=rounds, num_warps=SOLVE_WARPS)
     FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "kda")
     read_after = launch.read_copy_after_fold(cache)
     if shape.split:
@@ -413,7 +423,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
                    KC=KC, STAGES=shape.stages, READ_AFTER=read_after, ROUNDS=rounds, num_warps=shape.refresh_warps,
                    **consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
-    advanced, advance_consts = launch.advance_args(cache, commit, {"k": kn, "g": g, "beta": beta})
+    advanced, advance_consts = launch.advance_args(cache, commit, {"k": k, "k_scale": k_scale, "g": g, "beta": beta})
     launch.run(
         _kda_step_kernel, (V // shape.rows, HV, b),
         slots, cursors, cache.tokens, cache.seeds, *refresh, *anchor, *read,

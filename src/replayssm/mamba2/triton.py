@@ -278,7 +278,8 @@ def _mamba2_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_pt
                         pending_ptr, refreshes_ptr, done_ptr, s1,
                         s1b: tl.constexpr, s1t: tl.constexpr, s1h: tl.constexpr, s1e: tl.constexpr, d1, s2,
                         s2b: tl.constexpr, s2t: tl.constexpr, s2h: tl.constexpr, s2e: tl.constexpr, d2, s3,
-                        s3b: tl.constexpr, s3t: tl.constexpr, s3h: tl.constexpr, s3e: tl.constexpr, d3,
+                        s3b: tl.constexpr, s3t: tl.constexpr, s3h: tl.constexpr, s3e: tl.constexpr, d3, s4,
+                        s4b: tl.constexpr, s4t: tl.constexpr, s4h: tl.constexpr, s4e: tl.constexpr, d4,
                         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
                         DKP: tl.constexpr,
                         BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr,
@@ -288,7 +289,8 @@ def _mamba2_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_pt
                         QP: tl.constexpr, STREAM: tl.constexpr, DUE: tl.constexpr, ROUNDS: tl.constexpr,
                         COMMIT: tl.constexpr, F1: tl.constexpr, F1P: tl.constexpr,
                         W1: tl.constexpr, F2: tl.constexpr, F2P: tl.constexpr, W2: tl.constexpr, F3: tl.constexpr,
-                        F3P: tl.constexpr, W3: tl.constexpr, PDL: tl.constexpr):
+                        F3P: tl.constexpr, W3: tl.constexpr, F4: tl.constexpr, F4P: tl.constexpr,
+                        W4: tl.constexpr, PDL: tl.constexpr):
     """Program (v, head, c), c a batch row or, with DUE = ``launch.DUE_ONLY``, the slots due of
     ranks c, c + n, ... (``window.step_item``). The decays of every draft, along its own path for a
     tree, are in the scores launch's weights and gammas, so a tree's step is a chain's. The
@@ -310,8 +312,8 @@ def _mamba2_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_pt
                 REFRESH, STAGES, READ_AFTER, OUTPUT_DOT, QP, STREAM)
             advance_row(pid_b, valid, row, tl.where(need, 0, h), need, (pid_v == 0) & (head == 0), need & REFRESH,
                         tokens_ptr, committed_ptr, pending_ptr, refreshes_ptr, done_ptr, s1, s1b, s1t, s1h, s1e, d1,
-                        s2, s2b, s2t, s2h, s2e, d2, s3, s3b, s3t, s3h, s3e, d3, T, L, COMMIT, F1, F1P, W1, F2, F2P,
-                        W2, F3, F3P, W3)
+                        s2, s2b, s2t, s2h, s2e, d2, s3, s3b, s3t, s3h, s3e, d3, s4, s4b, s4t, s4h, s4e, d4, T, L,
+                        COMMIT, F1, F1P, W1, F2, F2P, W2, F3, F3P, W3, F4, F4P, W4)
 
 
 def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit: bool, y, parents=None):
