@@ -6,10 +6,10 @@ and key head, times each value head's decays into the step's weights; the list o
 refresh), ``_gdn_solve_kernel`` (for the slots due only: the decays and the inverse of the residual
 system) and ``_gdn_step_kernel`` (one program per block of state rows, value head and batch row;
 GDN's residuals are separable over state rows; one of a batch row's programs also writes the
-shared buffer fields k, g, beta and moves the cursors, ``launch.advance_row``). Where the launch
-policy puts the slots due beside the others (``launch.StepShape.beside``), their solve and a step
-launch over them only, each program refreshing its rows first, run on a side stream beside the
-step launch over the other slots.
+shared buffer fields k, k_scale, g, beta and moves the cursors, ``launch.advance_row``). Where the
+launch policy puts the slots due beside the others (``launch.StepShape.beside``), their solve and
+a step launch over them only, each program refreshing its rows first, run on a side stream beside
+the step launch over the other slots.
 
 A program whose slot is due re-solves the committed residuals from the *anchor*. With c_j the log
 decay from the checkpoint through entry j and g(i, j] the one between entries, the residuals solve

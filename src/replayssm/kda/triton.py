@@ -32,8 +32,8 @@ A step is GDN's launches (``_triton/launch.py``):
       o_s = S_read qd_s + sum_{j <= t} scores[0, s, j] u_j
 
   reusing the cached read-path residuals u_j of committed entries; the new tokens' v and u rows
-  are stored here, and one program per batch row writes the shared buffer fields k, g [HV, K],
-  beta and moves the cursors (``launch.advance_row``).
+  are stored here, and one program per batch row writes the shared buffer fields k, k_scale,
+  g [HV, K], beta and moves the cursors (``launch.advance_row``).
 
 The refresh's per-step vectors rk and fk take b * HV * LP * K fp32 each (written and read only for
 slots that refresh).
