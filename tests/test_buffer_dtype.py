@@ -201,3 +201,29 @@ def test_a_new_key_is_the_key_its_replay_reads(arch, backend):
         pytest.importorskip("triton")
     _, _, err = _decode_keys(arch, backend, torch.float32, torch.bfloat16, seed=12)
     assert err <= S32_TOL
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_inputs_wider_than_the_buffer_round_to_nearest_on_both_backends(arch):
+    """fp32 inputs into a bf16 buffer: the Triton kernels store the bits of torch's nearest-even
+    cast, in the interpreter too (whose own bf16 cast truncates). Teeth: truncation differs."""
+    pytest.importorskip("triton")
+    from replayssm.layers import LAYERS as CALLS
+    layer = make_layer(arch)
+    consts = layer._consts() if arch == "mamba2" else {}
+    g = generator(13)
+    state = 0.5 * torch.randn(2, *layer.state_shape, generator=g)
+    toks = [layer.tokens(g, 2, 1) for _ in range(2)]
+    held = {}
+    for backend in ("torch", "triton"):
+        cache = layer.cache(2, window=4, buffer_dtype=torch.bfloat16)
+        cache.load_state(torch.tensor([0, 1]), state)
+        for tok in toks:
+            CALLS[arch].call(cache, torch.tensor([0, 1]), tok, consts, False, backend=backend)
+        held[backend] = {f: cache.buffer[f][:2, :2].clone() for f in INPUT_FIELDS[arch]}
+    for f in INPUT_FIELDS[arch]:
+        source = torch.stack([t[SOURCE[f]][:, 0] for t in toks], 1)
+        assert torch.equal(held["torch"][f], source.bfloat16()), f
+        assert torch.equal(held["triton"][f], held["torch"][f]), f
+        truncated = (source.view(torch.int32) & -65536).view(torch.float32).bfloat16()
+        assert not torch.equal(truncated, held["torch"][f]), f

@@ -136,6 +136,18 @@ def grid_round(y, r24, M: tl.constexpr, EMIN: tl.constexpr, MAXV: tl.constexpr, 
 
 
 @triton.jit
+def as_stored(x, dtype: tl.constexpr):
+    """x cast to ``dtype`` (a replay buffer's: inputs stored as given), rounding to nearest-even as
+    the GPU's cast does. The interpreter's cast to bf16 truncates instead: there x is first rounded
+    on its fp32 bits (overflow to inf, NaN kept), so the cast is exact and the bits are the GPU's."""
+    if INTERPRETED and dtype == tl.bfloat16:
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True)
+        near = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        return tl.where(x != x, x, near).to(dtype)
+    return x.to(dtype)
+
+
+@triton.jit
 def _to_e4m3(y, r24, SR: tl.constexpr):
     """fp32 y as e4m3 (saturating at 448, NaN kept; SR: ``grid_round``'s stochastic rounding),
     ``replayssm.formats``' bits: rounded onto the grid first where the cast would not round so

@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from .formats import FMT_IDS
+from .formats import FMT_IDS, as_stored
 
 #: Rows of a refresh's fold sub-tile: a program folds its rows this many at a time. 16 measured
 #: slower (H200, batch 256: GDN decode s32_rs 376.2 against 366.9 us, tp8_hi32 321.8 against 290.2,
@@ -83,7 +83,7 @@ def _copy_field(src_ptr, sb, st, sh, se, dst_ptr, pid, row, start, T: tl.constex
         off = (f // W) * sh + (f % W) * se
     for s in tl.range(0, T, num_stages=1):
         vals = tl.load(src_ptr + pid * sb + s * st + off, mask=f < F)
-        tl.store(dst_ptr + (row * L + start + s) * F + f, vals.to(dst_ptr.dtype.element_ty), mask=f < F)
+        tl.store(dst_ptr + (row * L + start + s) * F + f, as_stored(vals, dst_ptr.dtype.element_ty), mask=f < F)
 
 
 @triton.jit
@@ -102,8 +102,8 @@ def advance_row(pid_b, valid, row, start, need, first, counted, tokens_ptr, comm
     buffer d_i [rows, L, F_i]; F4 = 0: no fourth) at positions ``start`` (h, or 0 after a refresh)
     .. start + T - 1, and the cursors. Which program: where no program of the launch reads the
     row's buffered shared fields (``counted`` false: no refresh folds in this launch), the
-    ``first`` one (row block 0 of head 0); otherwise the last of the row's programs to finish, counted in ``done`` [rows] (then reset to
-    zero), because the fold of the others reads the entries the new tokens overwrite. So the
+    ``first`` one (row block 0 of head 0); otherwise the last of the row's programs to finish,
+    counted in ``done`` [rows] (then reset to zero), because the fold of the others reads the entries the new tokens overwrite. So the
     advance needs no launch of its own."""
     if valid:
         go = first

@@ -7,7 +7,7 @@ later replay will read them back); other positions are zero. A refreshing slot h
 import triton
 import triton.language as tl
 
-from .formats import within
+from .formats import as_stored, within
 
 
 @triton.jit
@@ -102,7 +102,7 @@ def window_rows(buf_ptr, in_ptr, sb, st, sh, se, row, pid_b, h, head, NH, cols, 
                 mask=old[:, None] & ok, other=0.0)
     b = tl.load(in_ptr + pid_b * sb + (j - h)[:, None] * st + head * sh + cols[None, :] * se,
                 mask=new[:, None] & ok, other=0.0)
-    return a.to(tl.float32) + b.to(buf_ptr.dtype.element_ty).to(tl.float32)
+    return a.to(tl.float32) + as_stored(b, buf_ptr.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit

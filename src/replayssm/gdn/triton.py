@@ -48,7 +48,7 @@ from .._triton.solve import unit_lower_inverse
 from .._triton.decay import path_decays, softplus
 from .._triton.window import (ancestor_bits, draft_paths, due_slot, head_window, list_due, pending_tree, slot_cursor,
                               step_item, window_keys)
-from .._triton.formats import (column, global_scale_index, load_query, load_read, load_tile, matvec,
+from .._triton.formats import (as_stored, column, global_scale_index, load_query, load_read, load_tile, matvec,
                                pin_vector_width, products_on_tensor_cores, read_copy_from_anchor, streamed_products,
                                within, write_checkpoint)
 
@@ -152,8 +152,8 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bks_ptr, k
     for s in tl.static_range(T):
         at = ((pid_b * T + s) * HK + khead) * DK + ck
         # the key as the buffer will hold it, so that a replay (``window.window_keys``) gives it back
-        k = tl.load(k_ptr + pid_b * skb + s * skt + khead * skh + ck * ske, mask=cols, other=0.0).to(
-            bk_ptr.dtype.element_ty).to(tl.float32)
+        k = tl.load(k_ptr + pid_b * skb + s * skt + khead * skh + ck * ske, mask=cols, other=0.0)
+        k = as_stored(k, bk_ptr.dtype.element_ty).to(tl.float32)
         q = tl.load(q_ptr + pid_b * sqb + s * sqt + khead * sqh + ck * sqe, mask=cols, other=0.0).to(tl.float32)
         if NORM:
             k_scale = 1.0 / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
@@ -324,7 +324,8 @@ def _token_loads(q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sb
         if not OUTPUT_DOT:
             ka, kb = load_query(k_ptr + (tok_in * HK + khead) * DK, 1, DK, DKP, R_FMT)
             qa, qb = load_query(q_ptr + (tok_in * HK + khead) * DK, 1, DK, DKP, R_FMT)
-        v_s = tl.load(v_ptr + pid_b * svb + s * svt + head * svh + rv * sve).to(bv_ptr.dtype.element_ty)
+        v_s = as_stored(tl.load(v_ptr + pid_b * svb + s * svt + head * svh + rv * sve),
+                        bv_ptr.dtype.element_ty)
         tokens_in = tokens_in + ((v_s, tl.load(beta_ptr + pid_b * sbb + s * sbt + head * sbh),
                                   tl.load(scores_ptr + base + T * LP + j),
                                   tl.load(scores_ptr + base + j), ka, kb, qa, qb),)

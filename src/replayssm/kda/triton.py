@@ -46,6 +46,7 @@ import triton.language as tl
 
 from .._triton import launch
 from .._triton.formats import (
+    as_stored,
     column,
     global_scale_index,
     load_read,
@@ -135,13 +136,13 @@ def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bks_ptr, b
     when NORM, as flash-linear-attention's l2norm; queries times ``scale``) into kn, qn
     [b, T, HK, K], each key's normalizing factor into ks [b, T, HK] for the buffer (the key is
     computed from the value the buffer will hold, as GDN's); the batch row's committed count into
-    ``cursors`` [b]; then per value head of the key head the decay-weighted scores [b, HV, 2, T, LP] and kd, qd [b, T, HV, K]. Program
-    (0, 0) also lists the slots due to refresh for the solve and refresh launches
-    (``window.list_due``). The caller's k, q, g are read through their strides (s*,
+    ``cursors`` [b]; then per value head of the key head the decay-weighted scores [b, HV, 2, T, LP]
+    and kd, qd [b, T, HV, K]. Program (0, 0) also lists the slots due to refresh for the solve and
+    refresh launches (``window.list_due``). The caller's k, q, g are read through their strides (s*,
     ``launch.token_strides``). TREE: the batch row's draft tree ``parents`` [b, T]; draft s's
-    scores, segment decays and e^{G_t} run along its own path (its ancestors, ``window.draft_view``),
-    so the step kernel needs no tree of its own; program (b, 0) stores the slot's pending tree
-    (``window.pending_tree``: ``cache.draft_gaps`` for accept)."""
+    scores, segment decays and e^{G_t} run along its own path (its ancestors,
+    ``window.draft_view``), so the step kernel needs no tree of its own; program (b, 0) stores the
+    slot's pending tree (``window.pending_tree``: ``cache.draft_gaps`` for accept)."""
     after_previous_launch(PDL)
     pid_b, khead = tl.program_id(0), tl.program_id(1)
     if (pid_b == 0) & (khead == 0):
@@ -150,8 +151,8 @@ def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bks_ptr, b
     cols = within(ck, DK)
     for s in tl.static_range(T):
         at = ((pid_b * T + s) * HK + khead) * DK + ck
-        k = tl.load(k_ptr + pid_b * skb + s * skt + khead * skh + ck * ske, mask=cols, other=0.0).to(
-            bk_ptr.dtype.element_ty).to(tl.float32)  # as the buffer will hold it
+        k = tl.load(k_ptr + pid_b * skb + s * skt + khead * skh + ck * ske, mask=cols, other=0.0)
+        k = as_stored(k, bk_ptr.dtype.element_ty).to(tl.float32)  # as the buffer will hold it
         q = tl.load(q_ptr + pid_b * sqb + s * sqt + khead * sqh + ck * sqe, mask=cols, other=0.0).to(tl.float32)
         if NORM:
             k_scale = 1.0 / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
