@@ -103,8 +103,8 @@ def advance_row(pid_b, valid, row, start, need, first, counted, tokens_ptr, comm
     .. start + T - 1, and the cursors. Which program: where no program of the launch reads the
     row's buffered shared fields (``counted`` false: no refresh folds in this launch), the
     ``first`` one (row block 0 of head 0); otherwise the last of the row's programs to finish,
-    counted in ``done`` [rows] (then reset to zero), because the fold of the others reads the entries the new tokens overwrite. So the
-    advance needs no launch of its own."""
+    counted in ``done`` [rows] (then reset to zero), because the fold of the others reads the
+    entries the new tokens overwrite. So the advance needs no launch of its own."""
     if valid:
         go = first
         if counted:
@@ -364,7 +364,6 @@ def advance_args(cache, commit: bool, shared_fields: dict) -> tuple[tuple, dict]
             args += [cache.committed, 0, 0, 0, 0, cache.committed]
             consts.update({f"F{i}": 0, f"F{i}P": 1, f"W{i}": 1})
     return tuple(args), consts
-
 
 
 def format_args(cache):

@@ -26,13 +26,13 @@ def l2norm(x, eps=1e-6):
 
 def buffered_keys(k, dtype, use_qk_l2norm):
     """(k as the buffer holds it, of ``dtype``; k_scale [..., HK] fp32, the factor that normalizes
-    it: 1 / sqrt(k . k + 1e-6) of the buffered k with ``use_qk_l2norm``, else 1; the key the
-    recurrence uses, k_scale * k in fp32). Computed from the buffered k, so a replay of the
-    buffer (``replay.keys``) gives the same key back bit for bit."""
+    it: 1 / sqrt(k . k + 1e-6) of the buffered k with ``use_qk_l2norm``, else 1). The key the
+    recurrence uses is k_scale * k, read back from the buffer (``replay.keys``) for new and old
+    entries alike."""
     k = k.to(dtype)
     kf = k.float()
     k_scale = torch.rsqrt((kf * kf).sum(-1) + 1e-6) if use_qk_l2norm else torch.ones_like(kf[..., 0])
-    return k, k_scale, kf * k_scale[..., None]
+    return k, k_scale
 
 
 def _check(cache, slots, q, k, v, g, beta, scale, draft: bool, gate=None):
@@ -94,7 +94,7 @@ def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend,
         kernels.step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, o, gate, parents)
         return o if out is None or o is out else out.copy_(o)
     q = (l2norm(q) if use_qk_l2norm else q.float()) * scale
-    k, k_scale, _ = buffered_keys(k, cache.buffer_dtype, use_qk_l2norm)
+    k, k_scale = buffered_keys(k, cache.buffer_dtype, use_qk_l2norm)
     g, beta = gates(*gate) if gate is not None else (g.float(), beta.float())
     entries = {"k": k, "k_scale": k_scale, "v": v, "g": g, "beta": beta}
     o = torch_step(cache, slots, q.shape[1], entries,

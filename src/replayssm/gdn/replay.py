@@ -59,8 +59,7 @@ def fold(state, buf, count):
     """Committed state after ``count`` entries, residuals re-solved from ``state`` (the anchor).
 
     state fp32 [b, HV, V, K]; buf: k [b, L, HK, K], k_scale [b, L, HK], v [b, L, HV, V], g/beta
-    [b, L, HV], entries
-    past count zero; count int64 [b]. Returns fp32 [b, HV, V, K].
+    [b, L, HV], entries past count zero; count int64 [b]. Returns fp32 [b, HV, V, K].
     """
     HV, L = state.shape[1], buf["g"].shape[1]
     k = heads_of_groups(keys(buf), HV)

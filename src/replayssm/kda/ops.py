@@ -41,7 +41,7 @@ def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend,
         kernels.step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, o, parents)
         return o if out is None or o is out else out.copy_(o)
     q = (l2norm(q) if use_qk_l2norm else q.float()) * scale
-    k, k_scale, _ = buffered_keys(k, cache.buffer_dtype, use_qk_l2norm)
+    k, k_scale = buffered_keys(k, cache.buffer_dtype, use_qk_l2norm)
     entries = {"k": k, "k_scale": k_scale, "v": v, "g": g.float(), "beta": beta.float()}
     o = torch_step(cache, slots, q.shape[1], entries,
                    lambda state, buf, h, vis=None: replay.outputs(state, buf, h, q, vis), commit, parents)
