@@ -40,23 +40,25 @@ GEOMETRY = {"mamba2": dict(nheads=128, headdim=64, dstate=128, ngroups=8, buffer
 HEAD_DIMS = {"mamba2": ("headdim", "dstate"), "gdn": ("head_v_dim", "head_k_dim"), "kda": ("head_v_dim", "head_k_dim")}
 
 
-def record_step(arch: str, preset: str, T: int = 1, tree: bool = False, dims=None):
+def record_step(arch: str, preset: str, T: int = 1, tree: bool = False, dims=None, activations=torch.bfloat16):
     """The (kernel, args, kwargs) of one decode (T = 1) or verify step, recorded, not run; with
     ``tree``, a verify of a draft tree (every draft a child of the root's first child); ``dims``:
-    (dv, dk) in place of the geometry's."""
+    (dv, dk) in place of the geometry's; ``activations``: the per-token inputs' dtype (the
+    benchmarks' bf16 by default; gates and per-head constants stay fp32)."""
     geometry = dict(GEOMETRY[arch], **({} if dims is None else dict(zip(HEAD_DIMS[arch], dims))))
     calls = []
     launch.LAUNCHER = lambda kernel, grid, args, kwargs: calls.append((kernel, args, kwargs))
     try:
         g = torch.Generator().manual_seed(0)
-        r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+        r = lambda *s: torch.randn(*s, generator=g).to(activations)  # noqa: E731
         b, slots = 2, torch.arange(2)
         parents = dict(parents=torch.tensor([[-1] + [0] * (T - 1)] * b)) if tree else {}
         if arch == "mamba2":
             c = rs.Mamba2Cache(2, window=16, max_draft=max(4, T), precision=preset, **geometry)
             H, P, N, G = c.nheads, c.dv, c.dk, c.ngroups
-            args = (r(b, T, H, P), r(b, T, H), -torch.rand(H), r(b, T, G, N), r(b, T, G, N), r(H), r(b, T, H, P),
-                    torch.zeros(H), True)
+            dt = torch.randn(b, T, H, generator=g)
+            args = (r(b, T, H, P), dt, -torch.rand(H), r(b, T, G, N), r(b, T, G, N), torch.randn(H, generator=g),
+                    r(b, T, H, P), torch.zeros(H), True)
             (rs.mamba2_verify if T > 1 else rs.mamba2_decode)(
                 c, slots, *(a[:, 0] if T == 1 and a.dim() > 1 else a for a in args[:-1]), args[-1], backend="triton",
                 **parents)
@@ -66,7 +68,8 @@ def record_step(arch: str, preset: str, T: int = 1, tree: bool = False, dims=Non
             c = cache_type(2, window=16, max_draft=max(4, T), precision=preset, **geometry)
             HK, HV, K, V = c.num_k_heads, c.num_v_heads, c.head_k_dim, c.head_v_dim
             decay = (b, T, HV, K) if arch == "kda" else (b, T, HV)  # KDA: one per key channel
-            args = (r(b, T, HK, K), r(b, T, HK, K), r(b, T, HV, V), -torch.rand(*decay), torch.rand(b, T, HV))
+            args = (r(b, T, HK, K), r(b, T, HK, K), r(b, T, HV, V), -torch.rand(*decay),
+                    torch.rand(b, T, HV).to(activations))
             (verify if T > 1 else decode)(
                 c, slots, *(a[:, 0] if T == 1 else a for a in args), use_qk_l2norm=True, backend="triton", **parents)
     finally:
@@ -165,6 +168,8 @@ def main(argv=None):
     ap.add_argument("--tuning", action="append", default=[], metavar="KEY=INT",
                     help="a launch.TUNING entry for every compile, e.g. pin=0 (repeatable)")
     ap.add_argument("--dims", metavar="DV,DK", help="head dims in place of the real geometries' (e.g. 24,48)")
+    ap.add_argument("--activations", default="bf16", choices=("bf16", "fp16", "fp32"),
+                    help="dtype of the per-token inputs (the benchmarks pass bf16)")
     ap.add_argument("--batch", type=int, default=256,
                     help="the batch whose default launches to compile (steps are recorded on two slots)")
     args = ap.parse_args(argv)
@@ -183,7 +188,8 @@ def main(argv=None):
                 if shape != "default":
                     launch.TUNING.update(launch.parse_shape(shape))
                 dims = None if args.dims is None else tuple(int(d) for d in args.dims.split(","))
-                for kernel, a, kw in record_step(arch, preset, args.draft, args.tree, dims):
+                activations = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.activations]
+                for kernel, a, kw in record_step(arch, preset, args.draft, args.tree, dims, activations):
                     if not any(part in kernel.fn.__name__ for part in ("step", "refresh", "scores", "solve")):
                         continue
                     label = kernel_label(kernel, kw)

@@ -30,7 +30,7 @@ def _rows(stdout):
 
 
 def test_step_kernels_assemble_without_spills_and_the_pin_saves_shuffles(tmp_path):
-    """The default decode step kernels of every layer kind, refresh branch included, fit in registers
+    """With the benchmarks' bf16 inputs, the default decode step kernels of every layer kind, refresh branch included, fit in registers
     (no spills), but for GDN's step launch over the slots due only (``launch.DUE_ONLY``: a sixteenth
     of a staggered step's programs, each refreshing its rows first), which may spill a few words
     (28 bytes on sm_90a; measured faster than a refresh launch of its own, ``launch.SHAPES``); GDN's
@@ -46,11 +46,15 @@ def test_step_kernels_assemble_without_spills_and_the_pin_saves_shuffles(tmp_pat
         assert 0 < int(regs) <= 255 and stores <= allowed and loads <= allowed, (arch, kernel, regs, spills)
         assert int(sass) > int(shfl) > 0, (arch, sass, shfl)  # the step kernels reduce across lanes
     # verify of 4 drafts: GDN's step kernel runs under a 168-register cap there (launch.SHAPES), so
-    # what the program does last (the row's advance) must not need registers of its own
+    # what the program does last (the row's advance) must not need registers of its own. Mamba-2's,
+    # with its refresh branch's fold pipelined over 2 column chunks at 255 registers, spills one word
+    # with bf16 inputs (none with fp32 ones or a 1-stage fold; measured faster pipelined)
     verify = _rows(_compile_for_sm90(tmp_path, PTXAS_REPORT, "--presets", "s32_rs", "--draft", "4"))
     assert {r[0] for r in verify} == {"mamba2", "gdn", "kda"}
     for arch, preset, shape, kernel, regs, spills, *_ in verify:
-        assert 0 < int(regs) <= 255 and spills == "0/0", (arch, kernel, regs, spills)
+        stores, loads = (int(n) for n in spills.split("/"))
+        allowed = 4 if arch == "mamba2" else 0
+        assert 0 < int(regs) <= 255 and stores <= allowed and loads <= allowed, (arch, kernel, regs, spills)
     unpinned = _rows(_compile_for_sm90(tmp_path, PTXAS_REPORT, "--arch", "gdn", "--presets", "s32_rs",
                                        "--tuning", "pin=0"))
     pinned = [r for r in rows if r[0] == "gdn"]
