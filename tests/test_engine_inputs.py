@@ -142,6 +142,17 @@ def test_delta_rule_packed_projections(arch, gates, backend):
     assert tr.max_rel <= 2e-5, tr.max_rel
 
 
+@pytest.mark.parametrize("gates", [False, True])
+def test_gdn_packed_projections_in_a_step_of_one_launch(gates):
+    """GDN's step of one launch (``StepShape.fused``) reads every caller's view in place."""
+    launch.TUNING.update(fused=True)
+    try:
+        tr = _rounds(EngineLayer("gdn", "triton", gates))
+    finally:
+        launch.TUNING.clear()
+    assert tr.max_rel <= 2e-5, tr.max_rel
+
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_mamba2_packed_projections_and_expanded_constants(backend):
     """Mamba-2: x, B, C views of one xBC tensor, z and dt of one in_proj output; dt [b, (T,) H, P],
@@ -203,25 +214,31 @@ def _engine_call(arch, view):
     return (lambda: rs.kda_decode(cache, slots, **tok, use_qk_l2norm=True, backend="triton")), reads
 
 
-@pytest.mark.parametrize("arch", ["mamba2", "gdn", "kda"])
+@pytest.mark.parametrize("arch", ["mamba2", "gdn", "kda", "gdn_fused"])
 def test_engine_layouts_reach_the_kernels_without_a_copy(arch):
     """With check_values off (as under CUDA-graph capture), a decode on engine layouts runs no
     PyTorch op beyond allocations and views (the contiguous inputs' set, plus the selects that
     reduce expanded constants), and every kernel that reads a caller's tensor gets its storage:
-    the data pointer of the caller's view, not of a copy."""
+    the data pointer of the caller's view, not of a copy (GDN's step of one launch: all of them)."""
     Ops = helpers.TorchOps
 
     seen = {}
+    fused = arch.endswith("_fused")
+    arch = arch.removesuffix("_fused")
     for view in (False, True):
         call, reads = _engine_call(arch, view)
+        if fused:
+            reads = {"_gdn_step_kernel": [t for kernel_reads in reads.values() for t in kernel_reads]}
         launches = []
         launch.LAUNCHER = lambda kernel, grid, a, kw: launches.append(
             (kernel.fn.__name__, {t.data_ptr() for t in a if isinstance(t, torch.Tensor)}))
+        launch.TUNING.update(fused=fused)
         try:
             with Ops() as ops:
                 call()
         finally:
             launch.LAUNCHER = launch._launch
+            launch.TUNING.clear()
         seen[view] = ops.names
         for name, tensors in reads.items():
             pointers = set().union(*(ptrs for kernel, ptrs in launches if kernel == name))

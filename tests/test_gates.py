@@ -17,10 +17,20 @@ def _gates64(a, b, A_log, dt_bias):
     return -A_log.double().exp() * F.softplus(a.double() + dt_bias.double()), torch.sigmoid(b.double())
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "triton_fused"])
 def test_raw_gates_match_float64(backend):
     """Decode and verify rounds (accepting 0..T) across refreshes, a pad, raw gates; decays
-    exp(g) spread over (0, 1) by A_log and a + dt_bias."""
+    exp(g) spread over (0, 1) by A_log and a + dt_bias. triton_fused: the step of one launch
+    (``StepShape.fused``), whose programs compute the gates themselves."""
+    if backend == "triton_fused":
+        from replayssm._triton import launch
+
+        launch.TUNING.update(fused=True)
+        try:
+            test_raw_gates_match_float64("triton")
+        finally:
+            launch.TUNING.clear()
+        return
     g = helpers.generator(41)
     cache = rs.GDNCache(3, HK, HV, K, V, window=4, max_draft=2)
     slots = torch.tensor([2, -1, 0])

@@ -79,7 +79,8 @@ WIDE = {"mamba2": dict(nheads=2, headdim=64, dstate=32, ngroups=1),
                                            ("mamba2", "rows64"), ("gdn", "rows64"),
                                            ("gdn", "output_dot"), ("gdn", "stream"), ("mamba2", "stream"),
                                            ("mamba2", "split"), ("gdn", "split"), ("gdn", "beside"),
-                                           ("gdn", "beside_split"), ("mamba2", "beside")])
+                                           ("gdn", "beside_split"), ("mamba2", "beside"), ("gdn", "fused"),
+                                           ("gdn", "fused_rows64")])
 def test_triton_s32_matches_float64_reference(arch, variant):
     """Decode and verify rounds of every draft length and accept count, with pads and staggered
     slots, across refreshes: the default launch policy at a full 16-entry window (every step of
@@ -91,13 +92,14 @@ def test_triton_s32_matches_float64_reference(arch, variant):
     other slots' step skipping them."""
     from replayssm._triton import launch
 
-    layer = TritonLayer(arch, **(WIDE[arch] if variant == "rows64" else {}))
+    layer = TritonLayer(arch, **(WIDE[arch] if variant.endswith("rows64") else {}))
     window = 8 if variant == "window8" else 16
     tr = helpers.Tracker(layer, layer.cache(4, window=window, max_draft=4), seed=3)
     launch.TUNING.update({"rows64": dict(rows=64), "output_dot": dict(output_dot=True, stream=0),
                           "stream": dict(output_dot=True, stream=2), "split": dict(split=True),
                           "beside": dict(split=False, beside=True),
-                          "beside_split": dict(split=True, beside=True)}.get(variant, {}))
+                          "beside_split": dict(split=True, beside=True), "fused": dict(fused=True),
+                          "fused_rows64": dict(fused=True, rows=64)}.get(variant, {}))
     try:
         _schedule(tr, rounds=10 if variant == "default" else 6, rng=None)
     finally:
@@ -109,22 +111,32 @@ def test_triton_s32_matches_float64_reference(arch, variant):
     assert tr.state_error([0, 1, 2]) <= 1e-5
 
 
-@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
-def test_a_refreshing_slot_advances_only_after_its_last_program(arch):
+@pytest.mark.parametrize("arch, fused", [("mamba2", False), ("gdn", False), ("gdn", True)])
+def test_a_refreshing_slot_advances_only_after_its_last_program(arch, fused):
     """A refreshing slot's programs fold the buffered shared entries (B; GDN's k and beta) that
     the advance overwrites with the new tokens', so the last of them to finish advances the slot
-    (``launch.advance_row``). Counted one program short (``programs_done`` starting at 1), the slot
-    advances before its last program folds, and the outputs leave the float64 recurrence behind."""
+    (``launch.advance_row``); in a step of one launch (GDN ``fused``) every slot's, whose programs
+    read the cursor the advance moves. Counted one program short (``programs_done`` starting at 1),
+    the slot advances before its last program folds (or reads its cursor), and the outputs leave
+    the float64 recurrence behind."""
+    from replayssm._triton import launch
+
     layer = TritonLayer(arch)
     errors = []
     for short in (False, True):
         tr = helpers.Tracker(layer, layer.cache(4, window=4, max_draft=2), seed=5)
         tr.load([0, 1])
         tr.decode([1])  # staggered: the slots refresh in different steps
-        for _ in range(20):
-            if short:
-                tr.cache.programs_done.fill_(1)
-            tr.decode([0, 1])
+        launch.TUNING.update(fused=fused)
+        try:
+            for _ in range(20):
+                if short:
+                    tr.cache.programs_done.fill_(1)
+                tr.decode([0, 1])
+        except AssertionError:  # the tracker's own checks: non-finite outputs
+            tr.max_rel = float("inf")
+        finally:
+            launch.TUNING.clear()
         errors.append(tr.max_rel)
     assert errors[0] <= 2e-5 and errors[1] > 100 * 2e-5, errors  # a window of 4: entry 0 weighs in the fold
 
@@ -230,8 +242,9 @@ def test_verify_products_from_narrow_read_copies_are_fp32_accurate(arch, preset,
 @pytest.mark.parametrize("arch", ["mamba2", "gdn"])
 def test_triton_read_precision_and_tile_leave_anchor_bit_identical(arch):
     """Changing only the read format of an fp32 anchor (and so the step's tile: NVFP4 runs 4 warps,
-    others 1) or the rows per program (64 rows fold as two 32-row sub-tiles) changes outputs,
-    never the anchor bits: decode and verify rounds across refreshes, two heads of 64 rows."""
+    others 1), the rows per program (64 rows fold as two 32-row sub-tiles) or, for GDN, the launches
+    (a step of one launch solves each refresh in the refreshing program) changes outputs, never the
+    anchor bits: decode and verify rounds across refreshes, two heads of 64 rows."""
     from replayssm._triton import launch
 
     layer = TritonLayer(arch, **WIDE[arch])
@@ -241,6 +254,7 @@ def test_triton_read_precision_and_tile_leave_anchor_bit_identical(arch):
     runs = {p: layer.cache(2, window=4, max_draft=2, precision=p)
             for p in ("s32_rs", "tp16_hi32", "tpbf16_hi32", "tp8_hi32", "tp4_hi32")}
     runs["s32_rs@64"] = layer.cache(2, window=4, max_draft=2, precision="s32_rs")
+    runs["s32_rs@fused"] = layer.cache(2, window=4, max_draft=2, precision="s32_rs")  # one launch, its own solve
     outs = {p: [] for p in runs}
     for c in runs.values():
         c.load_state(slots, state)
@@ -248,7 +262,8 @@ def test_triton_read_precision_and_tile_leave_anchor_bit_identical(arch):
         T = 2 if step % 3 == 2 else 1
         tok = layer.tokens(g, 2, T)
         for p, c in runs.items():
-            launch.TUNING.update(rows=64) if p.endswith("@64") else launch.TUNING.clear()
+            launch.TUNING.clear()
+            launch.TUNING.update({"@64": dict(rows=64), "@fused": dict(fused=True)}.get(p[p.find("@"):], {}))
             try:
                 outs[p].append(layer.run(c, slots, tok, T > 1).reshape(-1))
                 if T > 1:
@@ -299,11 +314,14 @@ def test_triton_heads_of_16_row_multiples_match_float64(arch):
 #: dk = 5 (1-row programs, an NVFP4 global scale per row). The refresh a branch of the step, or a
 #: launch of its own (split); GDN's verify products on tensor cores streamed (fp32, the default for
 #: 4 drafts) or loaded whole (output_dot), or row reductions (NVFP4); its decode from 2-byte and fp8
-#: read copies at dk = 24 (a masked tile) and dk = 40 (fp8: a stored scale block of padding past 40).
+#: read copies at dk = 24 (a masked tile) and dk = 40 (fp8: a stored scale block of padding past 40);
+#: GDN's step of one launch (``StepShape.fused``) from fp8, NVFP4 and bf16 read copies.
 ANY_DIMS = [("mamba2", 8, 24, "s32_rs", {}), ("mamba2", 24, 48, "tp8_hi32", dict(split=True)),
             ("mamba2", 3, 5, "tp4_hi32", {}), ("gdn", 24, 24, "s32_rs", {}),
             ("gdn", 8, 48, "tp4_hi32", dict(split=True)), ("gdn", 24, 48, "tp8_hi32", dict(output_dot=True, stream=0)),
-            ("gdn", 8, 24, "tp16_hi32", {}), ("gdn", 24, 40, "tp8_hi32", {})]
+            ("gdn", 8, 24, "tp16_hi32", {}), ("gdn", 24, 40, "tp8_hi32", {}),
+            ("gdn", 24, 48, "tp8_hi32", dict(fused=True)), ("gdn", 8, 24, "tp4_hi32", dict(fused=True)),
+            ("gdn", 24, 40, "tpbf16_hi32", dict(fused=True, warps=4))]
 
 
 @pytest.mark.parametrize("arch, dv, dk, preset, tuning", ANY_DIMS)
@@ -395,7 +413,7 @@ def test_a_triton_step_is_two_or_three_launches_and_no_pytorch_compute(arch):
     """With check_values off (as under CUDA-graph capture) a decode step is the scores and step
     launches (GDN: and the solve launch after the scores; the step advances the cursors) with the
     refresh a branch of the step, or with the refresh launch before the step (``StepShape.split``);
-    PyTorch only allocates
+    GDN's step of one launch (``StepShape.fused``) is the step launch alone. PyTorch only allocates
     outputs and scratch and makes views."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -422,10 +440,11 @@ def test_a_triton_step_is_two_or_three_launches_and_no_pytorch_compute(arch):
         call = rs.gdn_decode
     cache.follow_inputs(torch.bfloat16)  # the buffer of the bf16 inputs, allocated ahead as before a capture
     cache.check_values = False
-    for split, beside in ((False, False), (True, False), (False, True), (True, True)):
+    for split, beside, fused in ((False, False, False), (True, False, False), (False, True, False),
+                                 (True, True, False), (False, False, True)):
         launches = []
         launch.LAUNCHER = lambda kernel, grid, a, kw: launches.append((kernel.fn.__name__, kw.get("DUE")))
-        launch.TUNING.update(split=split, beside=beside)
+        launch.TUNING.update(split=split, beside=beside, fused=fused)
         try:
             with Ops() as ops:
                 call(cache, slots, *args, backend="triton")
@@ -433,6 +452,10 @@ def test_a_triton_step_is_two_or_three_launches_and_no_pytorch_compute(arch):
             launch.LAUNCHER = launch._launch
             launch.TUNING.clear()
         names = [name for name, _ in launches]
+        if fused and arch == "gdn":
+            assert names == ["_gdn_step_kernel"]
+            assert ops.names <= {"empty", "empty_like", "select", "unsqueeze", "view", "slice"}, ops.names
+            continue
         solve = ["_gdn_solve_kernel"] if arch == "gdn" else []
         refresh = [f"_{arch}_refresh_kernel"] if split else []
         if beside:  # the slots due first (on a side stream on a GPU), then the others

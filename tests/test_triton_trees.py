@@ -39,6 +39,22 @@ def test_triton_every_tree_path_matches_the_recurrence(arch):
     helpers.record(f"triton {arch} tree max abs err", d.max_err)
 
 
+def test_triton_trees_in_a_step_of_one_launch():
+    """GDN's step of one launch (``StepShape.fused``): each program takes its draft's path from the
+    tree itself, and program (0, 0) of a batch row stores its pending tree for accept."""
+    from replayssm._triton import launch
+
+    d = driver("gdn", window=6)
+    launch.TUNING.update(fused=True)
+    try:
+        mixed_rounds(d, 6)
+    finally:
+        launch.TUNING.clear()
+    assert sum(d.refreshes.values()) >= 3 and d.moved >= 2
+    assert d.max_err <= S32_TOL, d.max_err
+    assert d.state_error([0, 1, 2, 3]) <= S32_TOL
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_triton_full_depth_of_deep_trees(arch):
     """Whole root paths of trees as deep as max_draft accepted, a refresh in between."""

@@ -353,20 +353,28 @@ def load_read(v_ptr, s_ptr, g_ptr, mat, gidx, rv, DV: tl.constexpr, DK: tl.const
 @triton.jit
 def load_query(ptr, se, DK: tl.constexpr, DKP: tl.constexpr, FMT: tl.constexpr):
     """A query vector of DK elements at ``ptr`` (element stride ``se``) as fp32, zero-padded to
-    DKP, in the layout ``matvec`` pairs with ``load_read``'s values: [DKP]; [DKP/32, 32]; or
-    (even, odd) [DKP/16, 8]."""
+    DKP, in the layout ``matvec`` pairs with ``load_read``'s values (``as_query``; fp8's loaded in
+    its [DKP/32, 32] blocks: a reshape after the load took more registers)."""
     FULL: tl.constexpr = DKP == DK
-    if FMT <= 2:
-        off = tl.arange(0, DKP)
-        q = tl.load(ptr + off * se, mask=below(off, DK, FULL), other=0.0).to(tl.float32)
-        return q, q
-    elif FMT == 3:
+    if FMT == 3:
         nb, e = tl.arange(0, DKP // 32)[:, None], tl.arange(0, 32)[None, :]
         q = tl.load(ptr + (nb * 32 + e) * se, mask=below(nb * 32 + e, DK, FULL), other=0.0).to(tl.float32)
         return q, q
-    else:  # loaded whole (contiguous: vector loads), then split into even and odd elements
-        off = tl.arange(0, DKP // 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
-        q = tl.load(ptr + off * se, mask=below(off, DK, FULL), other=0.0).to(tl.float32)
+    off = tl.arange(0, DKP)
+    return as_query(tl.load(ptr + off * se, mask=below(off, DK, FULL), other=0.0).to(tl.float32), FMT)
+
+
+@triton.jit
+def as_query(q, FMT: tl.constexpr):
+    """A query vector q [DKP] fp32 in the layout ``matvec`` pairs with ``load_read``'s values:
+    (q, q) [DKP]; [DKP/32, 32]; or NVFP4's (even, odd) elements [DKP/16, 8]."""
+    DKP: tl.constexpr = q.shape[0]
+    if FMT <= 2:
+        return q, q
+    elif FMT == 3:
+        q = tl.reshape(q, (DKP // 32, 32))
+        return q, q
+    else:
         return tl.split(tl.reshape(q, (DKP // 16, 8, 2)))
 
 

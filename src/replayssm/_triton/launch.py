@@ -432,6 +432,8 @@ class StepShape(NamedTuple):
     beside: bool = False  #: the slots due stepped in a launch of their own (``DUE_ONLY``; after their
     #: refresh launch with split, else the refresh a branch) on a side stream (``side_stream``), beside
     #: the step of the other slots (``NOT_DUE``)
+    fused: bool = False  #: GDN: the whole step in one launch, each program preparing its own inputs and
+    #: solving its own refresh (no scores or solve launch; the refresh a branch, row reductions)
 
 
 #: Step shapes by (architecture, read format): entries (least draft length, fields of StepShape that
@@ -577,6 +579,8 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
     if batch < SPLIT_MIN_BATCH:
         found = found._replace(split=False, beside=arch in SIDE_STREAM_ARCHS and batch * T >= cache.window)
     found = found._replace(**TUNING)
+    if found.fused:
+        found = found._replace(split=False, beside=False, output_dot=False)
     rows = found.rows
     if cache.dv <= FOLD_ROWS or cache.dv % FOLD_ROWS:
         rows = cache.row_block
@@ -593,16 +597,19 @@ def parse_shape(text: str) -> dict:
     "v" and the pinned elements per thread, "o" (outputs' products on tensor cores), "k" and the
     chunks in flight of a streamed read copy (2 if none given), "s" (a refresh launch of its own,
     optionally with its warps) or "f" (the refresh a branch of the step), "b" (the slots due beside
-    the others, ``StepShape.beside``; "fb": with the refresh a branch of their step), "n" and the fold's
-    pipeline stages, "r" and a register cap. E.g. "32x1", "32x1v16", "64x4ok3", "32x1v16s2n3", "32x1f"."""
-    m = re.fullmatch(r"(\d+)x(\d+)(?:v(\d+))?(o)?(?:k(\d*))?(?:s(\d*)|(f))?(b)?(?:n(\d+))?(?:r(\d+))?", text)
+    the others, ``StepShape.beside``; "fb": with the refresh a branch of their step), "u" (the whole
+    step in one launch, ``StepShape.fused``), "n" and the fold's pipeline stages, "r" and a register
+    cap. E.g. "32x1", "32x1v16", "64x4ok3", "32x1v16s2n3", "32x1f", "32x1u"."""
+    m = re.fullmatch(r"(\d+)x(\d+)(?:v(\d+))?(o)?(?:k(\d*))?(?:s(\d*)|(f))?(b)?(u)?(?:n(\d+))?(?:r(\d+))?", text)
     if not m:
         raise ValueError(f"cannot read the shape label {text!r} (e.g. '32x1', '32x1v16', '64x4ok3')")
-    rows, warps, pin, dot, stream, split, fused, beside, stages, maxnreg = m.groups()
+    rows, warps, pin, dot, stream, split, branch, beside, fused, stages, maxnreg = m.groups()
     out = dict(rows=int(rows), warps=int(warps))
     if beside:
         out["beside"] = True
     if fused:
+        out["fused"] = True
+    if branch:
         out["split"] = False
     if split is not None:
         out["split"] = True

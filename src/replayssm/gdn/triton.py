@@ -48,7 +48,7 @@ from .._triton.solve import unit_lower_inverse
 from .._triton.decay import path_decays, softplus
 from .._triton.window import (ancestor_bits, draft_paths, due_slot, head_window, list_due, pending_tree, slot_cursor,
                               step_item, window_keys)
-from .._triton.formats import (as_stored, column, global_scale_index, load_query, load_read, load_tile, matvec,
+from .._triton.formats import (as_query, as_stored, column, global_scale_index, load_query, load_read, load_tile, matvec,
                                pin_vector_width, products_on_tensor_cores, read_copy_from_anchor, streamed_products,
                                within, write_checkpoint)
 
@@ -72,15 +72,23 @@ def _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L: tl.cons
     beta_c = tl.load(bbeta_ptr + entry, mask=mine[:, None] & old[None, :], other=0.0)
     jr = j[None, :, None]  # row (entry j)
     ic = j[None, None, :]  # column (entry i, or the summed entry k)
-    through = tl.where(ic <= jr, g_c[:, None, :], 0.0)  # [r, j, k]: g_k for k <= j
-    ec = tl.where(old[None, :], tl.exp(tl.sum(through, 2)), 0.0)
-    es = tl.where(old[None, :], tl.exp(tl.sum(tl.where((ic > jr) & (ic < h), g_c[:, None, :], 0.0), 2)), 0.0)
     RP: tl.constexpr = g_c.shape[0]
+    through = tl.where(ic <= jr, g_c[:, None, :], 0.0)  # [r, j, k]: g_k for k <= j
+    after = tl.where((ic > jr) & (ic < h), g_c[:, None, :], 0.0)  # [r, j, k]: g_k for j < k < h
     upper = tl.broadcast_to(tl.where(jr > ic, 1.0, 0.0), (RP, LP, LP))  # [r, k, i]: k > i
+    ones = tl.full((RP, LP, LP), 1.0, tl.float32)
+    # every sum is a product's: IEEE products accumulate over k in order, in any layout, so the
+    # bits do not depend on the program's warps or how many heads it takes (a column taken out
+    # of a product by a masked sum adds zeros only: exact)
     seg = tl.dot(through, upper, input_precision="ieee")  # [r, j, i]: g(i, j]
+    prefix = tl.sum(tl.where(ic == 0, tl.dot(through, ones, input_precision="ieee"), 0.0), 2)  # [r, j]: c_j
+    suffix = tl.sum(tl.where(ic == 0, tl.dot(after, ones, input_precision="ieee"), 0.0), 2)  # [r, j]: g(j, h)
+    ec = tl.where(old[None, :], tl.exp(prefix), 0.0)
+    es = tl.where(old[None, :], tl.exp(suffix), 0.0)
+    total = tl.where(j[None, :] == LP - 1, prefix, 0.0)  # c_h: g_c is zero from h on
     lower = (ic < jr) & (jr < h)
     M = tl.where(lower, beta_c[:, :, None] * tl.exp(tl.where(lower, seg, 0.0)) * gram[None, :, :], 0.0)
-    return unit_lower_inverse(M, SQUARINGS), ec, es, tl.exp(tl.sum(g_c, 1))
+    return unit_lower_inverse(M, SQUARINGS), ec, es, tl.exp(tl.sum(total, 1))
 
 
 @triton.jit
@@ -216,7 +224,30 @@ def _gdn_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bks_ptr, bg_ptr, 
 
 
 @triton.jit
-def _gdn_refresh_rows(pid_b, head, khead, row, h, r0, seeds_ptr, tokens_ptr, tinv_ptr, decays_ptr,
+def _solved(tinv_ptr, decays_ptr, pid_b, head, HV, LP: tl.constexpr):
+    """The solve launch's results for value head ``head`` of batch row ``pid_b``: ((I + M)^{-T}
+    [LP, LP], e^{c_j} [LP], e^{g(j, h)} [LP], e^{c_h})."""
+    j = tl.arange(0, LP)
+    base = (pid_b * HV + head) * LP
+    return (tl.load(tinv_ptr + (base + j[:, None]) * LP + j[None, :]), tl.load(decays_ptr + base * 3 + j),
+            tl.load(decays_ptr + base * 3 + LP + j), tl.load(decays_ptr + base * 3 + 2 * LP))
+
+
+@triton.jit
+def _solve_here(bk_ptr, bks_ptr, bg_ptr, bbeta_ptr, row, khead, head, h, HK, HV, L: tl.constexpr, LP: tl.constexpr,
+                DK: tl.constexpr, DKP: tl.constexpr, SQUARINGS: tl.constexpr):
+    """What ``_solved`` loads, computed by the refreshing program itself (a step of one launch,
+    ``StepShape.fused``) for its value head, by the solve launch's operations: the same bits
+    (``_residual_inverses`` sums in products, whose order no layout changes)."""
+    K_c = window_keys(bk_ptr, bks_ptr, row, khead, h, tl.arange(0, DKP), HK, DK, L, LP)
+    gram = tl.dot(K_c, tl.trans(K_c), input_precision="ieee")  # k_j . k_i
+    vh = head + tl.arange(0, 1)  # one head
+    X, ec, es, total = _residual_inverses(bg_ptr, bbeta_ptr, row, vh, vh >= 0, h, gram, HV, L, LP, SQUARINGS)
+    return tl.trans(tl.reshape(X, (LP, LP))), tl.reshape(ec, (LP,)), tl.reshape(es, (LP,)), tl.sum(total, 0)
+
+
+@triton.jit
+def _gdn_refresh_rows(pid_b, head, khead, row, h, r0, seeds_ptr, tokens_ptr, Tinv, ec, es, total,
                       av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, HV, HK,
                       L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
                       BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
@@ -225,16 +256,11 @@ def _gdn_refresh_rows(pid_b, head, khead, row, h, r0, seeds_ptr, tokens_ptr, tin
     """Refresh rows r0 .. r0 + BV of value head ``head`` of storage row ``row`` (h committed
     entries, batch row ``pid_b``), FR rows at a time: the residual solve and fold of the module
     docstring, then the encode of KC columns at a time (the last pass of each masked from column
-    DK on)."""
+    DK on). Tinv, ec, es, total: the head's solve (``_solved`` or ``_solve_here``)."""
     mat = row * HV + head
     j = tl.arange(0, LP)
     old = j < h
     buf_tok = row * L + j
-    base = (pid_b * HV + head) * LP
-    Tinv = tl.load(tinv_ptr + (base + j[:, None]) * LP + j[None, :])
-    ec = tl.load(decays_ptr + base * 3 + j)
-    es = tl.load(decays_ptr + base * 3 + LP + j)
-    total = tl.load(decays_ptr + base * 3 + 2 * LP)
     beta_c = tl.load(bbeta_ptr + buf_tok * HV + head, mask=old, other=0.0)
     seed = tl.load(seeds_ptr + row)
     tokens = tl.load(tokens_ptr + row)
@@ -281,8 +307,9 @@ def _gdn_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
         r = c + it * tl.num_programs(2)
         if r < count:
             pid_b, row, h = due_slot(due_ptr, slots_ptr, cursors_ptr, r)
-            _gdn_refresh_rows(pid_b, head, head // (HV // HK), row, h, pid_v * FR, seeds_ptr, tokens_ptr, tinv_ptr,
-                              decays_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr,
+            Tinv, ec, es, total = _solved(tinv_ptr, decays_ptr, pid_b, head, HV, LP)
+            _gdn_refresh_rows(pid_b, head, head // (HV // HK), row, h, pid_v * FR, seeds_ptr, tokens_ptr, Tinv, ec,
+                              es, total, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr,
                               bbeta_ptr, HV, HK, L, LP, DV, DK, DKP, FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED,
                               STAGES, READ_AFTER)
 
@@ -333,19 +360,94 @@ def _token_loads(q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sb
 
 
 @triton.jit
+def _prepared_tokens(q_ptr, sqb, sqt, sqh, sqe, k_ptr, skb, skt, skh, ske, v_ptr, svb, svt, svh, sve, beta_ptr, sbb,
+                     sbt, sbh, g_ptr, sgb, sgt, sgh, alog_ptr, s_alog, dtb_ptr, s_dtb, bk_ptr, bks_ptr, bg_ptr, bv_ptr,
+                     ks_ptr, gn_ptr, betan_ptr, parents_ptr, scale, pid_v, pid_b, valid, row, h, head, khead, rv, HV,
+                     HK, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
+                     R_FMT: tl.constexpr, NORM: tl.constexpr, GATE: tl.constexpr, HAS_DTB: tl.constexpr,
+                     TREE: tl.constexpr):
+    """A step of one launch (``StepShape.fused``): the scores launch's work for the program's own
+    value head, by the same operations (``_gdn_scores_kernel``), from the caller's q, k [b, T, HK,
+    K], v, and g, beta [b, T, HV] (GATE: a and b, with A_log, dt_bias), all read through their
+    strides. Returns ``_token_loads``' tuple and the gammas e^{c_t} by token. Programs of row
+    block 0 also store what the batch row's advance copies into the buffer (``advance_row``, run
+    by the row's last program): each key's normalizing factor into ks [b, T, HK] (the first value
+    head of each key head), and with GATE the gates into gn, betan [b, T, HV] fp32."""
+    j = tl.arange(0, LP)
+    ck = tl.arange(0, DKP)
+    cols = within(ck, DK)
+    vh = head + tl.arange(0, 1)  # the program's value head, as a batch of one for the window helpers
+    writer = pid_v == 0
+    gates, betas, keys, queries = (), (), (), ()
+    for s in tl.static_range(T):
+        tok = pid_b * T + s
+        if GATE:
+            x = tl.load(g_ptr + pid_b * sgb + s * sgt + vh * sgh).to(tl.float32)
+            if HAS_DTB:
+                x += tl.load(dtb_ptr + vh * s_dtb).to(tl.float32)
+            gate = -tl.exp(tl.load(alog_ptr + vh * s_alog).to(tl.float32)) * softplus(x)
+            beta = tl.sigmoid(tl.load(beta_ptr + pid_b * sbb + s * sbt + head * sbh).to(tl.float32))
+            tl.store(gn_ptr + tok * HV + vh, gate, mask=writer)
+            tl.store(betan_ptr + tok * HV + head, beta, mask=writer)
+        else:
+            gate = tl.load(g_ptr + pid_b * sgb + s * sgt + vh * sgh).to(tl.float32)
+            beta = tl.load(beta_ptr + pid_b * sbb + s * sbt + head * sbh)
+        # the key as the buffer will hold it (``window.window_keys`` gives it back bit for bit)
+        k = tl.load(k_ptr + pid_b * skb + s * skt + khead * skh + ck * ske, mask=cols, other=0.0)
+        k = as_stored(k, bk_ptr.dtype.element_ty).to(tl.float32)
+        q = tl.load(q_ptr + pid_b * sqb + s * sqt + khead * sqh + ck * sqe, mask=cols, other=0.0).to(tl.float32)
+        if NORM:
+            k_scale = 1.0 / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+            q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
+        else:
+            k_scale = 1.0
+        tl.store(ks_ptr + tok * HK + khead, k_scale, mask=writer & (head % (HV // HK) == 0))
+        gates = gates + (gate,)
+        betas = betas + (beta,)
+        keys = keys + (k * k_scale,)
+        queries = queries + (q * scale,)
+    K = window_keys(bk_ptr, bks_ptr, row, khead, h, ck, HK, DK, L, LP)
+    for n in tl.static_range(T):  # the new keys at positions h + n
+        K = tl.where((j == h + n)[:, None], keys[n][None, :], K)
+    G = head_window(bg_ptr, g_ptr, sgb, sgt, sgh, gates, row, pid_b, h, j, vh, vh >= 0, HV, T, L, True)
+    G_next = head_window(bg_ptr, g_ptr, sgb, sgt, sgh, gates, row, pid_b, h, j + 1, vh, vh >= 0, HV, T, L, True)
+    anc = ancestor_bits(parents_ptr, pid_b, valid, T) if TREE else 0
+    tokens_in, gammas = (), ()
+    for s in tl.static_range(T):
+        path, path_next = draft_paths(anc, h, s, LP, TREE)  # j <= h + s for a chain
+        decay, gamma = path_decays(G, G_next, path, path_next)
+        decay = tl.sum(decay, 0)  # [LP]: the one head's
+        to_q = decay * tl.sum(K * queries[s][None, :], 1)
+        to_k = tl.where(j < h + s, decay, 0.0) * tl.sum(K * keys[s][None, :], 1)
+        ka, kb = as_query(keys[s], R_FMT)
+        qa, qb = as_query(queries[s], R_FMT)
+        v_s = as_stored(tl.load(v_ptr + pid_b * svb + s * svt + head * svh + rv * sve), bv_ptr.dtype.element_ty)
+        tokens_in = tokens_in + ((v_s, betas[s], to_k, to_q, ka, kb, qa, qb),)
+        gammas = gammas + (tl.sum(gamma, 0),)
+    return tokens_in, gammas
+
+
+@triton.jit
 def _gdn_step_program(
         pid_v, head, pid_b, valid, row, h, need,
         slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, decays_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
         bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, bu_ptr,
         q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr, gammas_ptr, o_ptr, HV, HK,
+        sqb, sqt, sqh, sqe, skb, skt, skh, ske, g_ptr, sgb, sgt, sgh, alog_ptr, s_alog, dtb_ptr, s_dtb, bg_ptr,
+        ks_ptr, gn_ptr, betan_ptr, parents_ptr, scale,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr,
         KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
         SHARED: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr, STREAM: tl.constexpr,
-        PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr):
+        PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr,
+        FUSED: tl.constexpr, NORM: tl.constexpr, GATE: tl.constexpr, HAS_DTB: tl.constexpr, TREE: tl.constexpr,
+        SQUARINGS: tl.constexpr):
     """Rows pid_v BV .. (pid_v + 1) BV of value head ``head`` of batch row ``pid_b`` (storage row
-    ``row``, h committed entries, ``need``: due to refresh, folded here first when REFRESH)."""
+    ``row``, h committed entries, ``need``: due to refresh, folded here first when REFRESH). FUSED
+    (a step of one launch): the program solves its own refresh (``_solve_here``) and prepares its
+    own inputs (``_prepared_tokens``: q, k, g, beta the caller's, of strides sq*, sk*, sg*, sb*);
+    else the solve and scores launches' results (``_solved``, ``_token_loads``: q, k prepared)."""
     khead = head // (HV // HK)
     mat = row * HV + head
     gidx = global_scale_index(mat, pid_v * BV, BV, DV)  # NVFP4: the global scales of these rows
@@ -354,7 +456,12 @@ def _gdn_step_program(
     j = tl.arange(0, LP)
     if REFRESH:
         if need:  # refresh: re-solve the committed residuals from the anchor, fold, encode
-            _gdn_refresh_rows(pid_b, head, khead, row, h, pid_v * BV, seeds_ptr, tokens_ptr, tinv_ptr, decays_ptr,
+            if FUSED:
+                Tinv, ec, es, total = _solve_here(bk_ptr, bks_ptr, bg_ptr, bbeta_ptr, row, khead, head, h, HK, HV, L,
+                                                  LP, DK, DKP, SQUARINGS)
+            else:
+                Tinv, ec, es, total = _solved(tinv_ptr, decays_ptr, pid_b, head, HV, LP)
+            _gdn_refresh_rows(pid_b, head, khead, row, h, pid_v * BV, seeds_ptr, tokens_ptr, Tinv, ec, es, total,
                               av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, HV,
                               HK, L, LP, DV, DK, DKP, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
             tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
@@ -368,11 +475,19 @@ def _gdn_step_program(
         ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, DKP, R_FMT)
     U, Q = _window_loads(bu_ptr, q_ptr, k_ptr, row, pid_b, head, khead, h, rv, HV, HK, T, L, LP, DV, DK, DKP, QLOAD,
                          QP)
-    tokens_in = _token_loads(q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr, bv_ptr,
-                             pid_b, head, khead, rv, HV, HK, T, LP, DV, DK, DKP, R_FMT, OUTPUT_DOT)
-    gammas = ()
-    for s in tl.static_range(T):
-        gammas = gammas + (tl.load(gammas_ptr + (pid_b * HV + head) * T + s),)
+    if FUSED:
+        tl.static_assert(not OUTPUT_DOT, "a step of one launch takes its read-copy products by row reductions")
+        tokens_in, gammas = _prepared_tokens(
+            q_ptr, sqb, sqt, sqh, sqe, k_ptr, skb, skt, skh, ske, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh,
+            g_ptr, sgb, sgt, sgh, alog_ptr, s_alog, dtb_ptr, s_dtb, bk_ptr, bks_ptr, bg_ptr, bv_ptr, ks_ptr, gn_ptr,
+            betan_ptr, parents_ptr, scale, pid_v, pid_b, valid, row, h, head, khead, rv, HV, HK, T, L, LP, DK, DKP,
+            R_FMT, NORM, GATE, HAS_DTB, TREE)
+    else:
+        tokens_in = _token_loads(q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr,
+                                 bv_ptr, pid_b, head, khead, rv, HV, HK, T, LP, DV, DK, DKP, R_FMT, OUTPUT_DOT)
+        gammas = ()
+        for s in tl.static_range(T):
+            gammas = gammas + (tl.load(gammas_ptr + (pid_b * HV + head) * T + s),)
     if PIN:
         pin_vector_width(rv_ptr, mat, rv, ck, h < 0, DV, DK, PIN)
     if OUTPUT_DOT:  # every S_read k_s and S_read q_s of the step in one product
@@ -410,7 +525,11 @@ def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, de
                      rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, bu_ptr, q_ptr, k_ptr, v_ptr,
                      svb: tl.constexpr, svt: tl.constexpr, svh: tl.constexpr, sve: tl.constexpr, beta_ptr,
                      sbb: tl.constexpr, sbt: tl.constexpr, sbh: tl.constexpr, scores_ptr, gammas_ptr, o_ptr, due_ptr,
-                     SCRATCH, HV, HK, committed_ptr, pending_ptr, refreshes_ptr, done_ptr, s1,
+                     SCRATCH, HV, HK, sqb: tl.constexpr, sqt: tl.constexpr, sqh: tl.constexpr, sqe: tl.constexpr,
+                     skb: tl.constexpr, skt: tl.constexpr, skh: tl.constexpr, ske: tl.constexpr, g_ptr,
+                     sgb: tl.constexpr, sgt: tl.constexpr, sgh: tl.constexpr, alog_ptr, s_alog: tl.constexpr, dtb_ptr,
+                     s_dtb: tl.constexpr, bg_ptr, ks_ptr, gn_ptr, betan_ptr, parents_ptr, gaps_ptr, scale,
+                     committed_ptr, pending_ptr, refreshes_ptr, done_ptr, s1,
                      s1b: tl.constexpr, s1t: tl.constexpr, s1h: tl.constexpr, s1e: tl.constexpr, d1, s2,
                      s2b: tl.constexpr, s2t: tl.constexpr, s2h: tl.constexpr, s2e: tl.constexpr, d2, s3,
                      s3b: tl.constexpr, s3t: tl.constexpr, s3h: tl.constexpr, s3e: tl.constexpr, d3, s4,
@@ -423,8 +542,15 @@ def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, de
                      DUE: tl.constexpr, ROUNDS: tl.constexpr, COMMIT: tl.constexpr, F1: tl.constexpr, F1P: tl.constexpr,
                      W1: tl.constexpr, F2: tl.constexpr, F2P: tl.constexpr, W2: tl.constexpr, F3: tl.constexpr,
                      F3P: tl.constexpr, W3: tl.constexpr, F4: tl.constexpr, F4P: tl.constexpr,
-                     W4: tl.constexpr, PDL: tl.constexpr):
-    """Program (v, head, c). DUE = ``launch.EVERY_SLOT``: c is the batch row; ``launch.NOT_DUE``:
+                     W4: tl.constexpr, FUSED: tl.constexpr, NORM: tl.constexpr, GATE: tl.constexpr,
+                     HAS_DTB: tl.constexpr, TREE: tl.constexpr, MAXD: tl.constexpr, SQUARINGS: tl.constexpr,
+                     PDL: tl.constexpr):
+    """Program (v, head, c). FUSED: the whole step in this one launch (``StepShape.fused``): c is
+    the batch row, whose committed count every program reads before the row's last program to
+    finish advances it (``advance_row``), each program solving its refresh and preparing its inputs
+    itself (``_gdn_step_program``): q, k, g, beta (GATE: a, b, A_log, dt_bias) are the caller's,
+    read through their strides (sq*, sk*, sg*, sb*, s_alog, s_dtb), ``parents`` a draft tree
+    (TREE; its pending tree stored by program (0, 0, c), ``window.pending_tree``). Otherwise DUE = ``launch.EVERY_SLOT``: c is the batch row; ``launch.NOT_DUE``:
     the same, but a slot due to refresh is left to a ``launch.DUE_ONLY`` launch; DUE_ONLY: c takes
     the slots due of ranks c, c + n, ... (``window.list_due``, n programs per tile), each refreshed
     (REFRESH) and stepped. The decays of every draft, along its own path for a tree, are in the
@@ -435,19 +561,30 @@ def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, de
     pid_v, head, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     count = tl.load(due_ptr) if DUE == 2 else 0
     for it in tl.range(0, ROUNDS, num_stages=1):  # a constant trip count: the interpreter needs one
-        active, pid_b, valid, row, h, need = step_item(due_ptr, slots_ptr, cursors_ptr, c, it, count, SCRATCH, T, L,
-                                                       DUE)
+        if FUSED:
+            pid_b, active = c, True
+            valid, row, h, need = slot_cursor(slots_ptr, committed_ptr, c, SCRATCH, T, L)
+            if TREE:
+                if (pid_v == 0) & (head == 0):
+                    pending_tree(parents_ptr, gaps_ptr, c, valid, row, T, MAXD)
+        else:
+            active, pid_b, valid, row, h, need = step_item(due_ptr, slots_ptr, cursors_ptr, c, it, count, SCRATCH, T,
+                                                           L, DUE)
         if active:
             _gdn_step_program(
                 pid_v, head, pid_b, valid, row, h, need, slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
                 decays_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, bu_ptr,
                 q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr, gammas_ptr, o_ptr, HV, HK,
-                T, L, LP, DV, DK, DKP, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, OUTPUT_DOT, QP, STREAM, PIN,
-                REFRESH, STAGES, READ_AFTER)
-            advance_row(pid_b, valid, row, tl.where(need, 0, h), need, (pid_v == 0) & (head == 0), need & REFRESH,
-                        tokens_ptr, committed_ptr, pending_ptr, refreshes_ptr, done_ptr, s1, s1b, s1t, s1h, s1e, d1,
-                        s2, s2b, s2t, s2h, s2e, d2, s3, s3b, s3t, s3h, s3e, d3, s4, s4b, s4t, s4h, s4e, d4, T, L,
-                        COMMIT, F1, F1P, W1, F2, F2P, W2, F3, F3P, W3, F4, F4P, W4)
+                sqb, sqt, sqh, sqe, skb, skt, skh, ske, g_ptr, sgb, sgt, sgh, alog_ptr, s_alog, dtb_ptr, s_dtb, bg_ptr,
+                ks_ptr, gn_ptr, betan_ptr, parents_ptr, scale, T, L, LP, DV, DK, DKP, BV, FR, KC, A_FMT, A_SR, R_FMT,
+                R_SR, SHARED, OUTPUT_DOT, QP, STREAM, PIN, REFRESH, STAGES, READ_AFTER, FUSED, NORM, GATE, HAS_DTB,
+                TREE, SQUARINGS)
+            counted = need & REFRESH
+            if FUSED:  # the last program advances, after every program of the row has read its cursor
+                counted = valid
+            advance_row(pid_b, valid, row, tl.where(need, 0, h), need, (pid_v == 0) & (head == 0), counted, tokens_ptr, committed_ptr, pending_ptr, refreshes_ptr, done_ptr,
+                        s1, s1b, s1t, s1h, s1e, d1, s2, s2b, s2t, s2h, s2e, d2, s3, s3b, s3t, s3h, s3e, d3, s4, s4b,
+                        s4t, s4h, s4e, d4, T, L, COMMIT, F1, F1P, W1, F2, F2P, W2, F3, F3P, W3, F4, F4P, W4)
 
 #: Warps of every solve launch (``_gdn_solve_kernel``): one shape for every preset and batch.
 SOLVE_WARPS = 4
@@ -480,46 +617,64 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     shape = launch.step_shape(cache, "gdn", T, b)
     buf = cache.buffer
     LP, DKP = launch.window_pad(cache), launch.column_pad(cache)
+    k_scale = torch.empty(q.shape[:3], dtype=torch.float32, device=dev)
+    cursors = torch.empty(b, dtype=cache.committed.dtype, device=dev)
+    tree = cursors if parents is None else parents.contiguous()
+    FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "gdn")
+    read_after = launch.read_copy_after_fold(cache)
+    advanced, advance_consts = launch.advance_args(cache, commit, {"k": k, "k_scale": k_scale, "g": g, "beta": beta})
+    tokens_consts = dict(NORM=normalize, GATE=gate is not None, HAS_DTB=gate is not None and gate[3] is not None,
+                         TREE=parents is not None, MAXD=cache.max_draft)
+    step_consts = dict(T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, BV=shape.rows, FR=FR, KC=KC,
+                       OUTPUT_DOT=shape.output_dot, QP=max(16, triton.next_power_of_2(2 * T)), STREAM=shape.stream,
+                       PIN=shape.pin, STAGES=shape.stages, READ_AFTER=read_after, SQUARINGS=LP.bit_length() - 2,
+                       num_warps=shape.warps, **consts, **advance_consts, **tokens_consts)
+    extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
+    if shape.fused:  # one launch: every program prepares its own inputs, and solves its own refresh
+        if gate is not None:  # the raw gates in place of g and beta; g and beta are the advance's copies
+            g_in, beta_in, alog, dtb = a, bg, A_log, dt_bias
+        else:
+            g_in, beta_in, alog, dtb = g, beta, None, None
+        unused = cursors  # the other launches' results: never read
+        step_args = (slots, unused, cache.tokens, cache.seeds, unused, unused, *anchor, *read, buf["k"], buf["k_scale"],
+                     buf["v"], buf["beta"], buf["u"], q, k, v, *strides(v), beta_in, *strides(beta_in)[:3], unused,
+                     unused, o, unused, cache.scratch_row, HV, HK, *strides(q), *strides(k), g_in, *strides(g_in)[:3],
+                     g_in if alog is None else alog, head_stride(alog), g_in if dtb is None else dtb, head_stride(dtb),
+                     buf["g"], k_scale, g, beta, tree, cache.draft_gaps, float(scale), *advanced)
+        assert not shape.output_dot and not shape.beside and not shape.split
+        launch.run(_gdn_step_kernel, (V // shape.rows, HV, b), *step_args, REFRESH=True, DUE=launch.EVERY_SLOT,
+                   ROUNDS=1, FUSED=True, **extra, **step_consts)
+        return o
     scores = torch.empty(b, HV, 2, T, LP, dtype=torch.float32, device=dev)
     gammas = torch.empty(b, HV, T, dtype=torch.float32, device=dev)
     kn = torch.empty(q.shape, dtype=torch.float32, device=dev)
-    k_scale = torch.empty(q.shape[:3], dtype=torch.float32, device=dev)
     qn = torch.empty_like(kn)
     tinv = torch.empty(b, HV, LP, LP, dtype=torch.float32, device=dev)
     decays = torch.empty(b, HV, 3, LP, dtype=torch.float32, device=dev)
-    cursors = torch.empty(b, dtype=cache.committed.dtype, device=dev)
     due = torch.empty(b + 1, dtype=torch.int32, device=dev)
     launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], buf["k_scale"], k, *strides(k),
-               q, *strides(q), kn, k_scale, qn, scores, *gate_args, buf["g"], g, *strides(g)[:3], gammas, due,
-               cursors if parents is None else parents.contiguous(),
+               q, *strides(q), kn, k_scale, qn, scores, *gate_args, buf["g"], g, *strides(g)[:3], gammas, due, tree,
                cache.draft_gaps, float(scale), cache.scratch_row, b, HK, HV, T=T, L=cache.window, LP=LP, DK=K,
-               DKP=DKP, RATIO=HV // HK, NORM=normalize,
-               GATE=gate is not None, HAS_DTB=gate is not None and gate[3] is not None,
-               RP=triton.next_power_of_2(HV // HK), TREE=parents is not None, MAXD=cache.max_draft,
-               num_warps=launch.SCORES_WARPS, **launch.due_scan(b, True))
+               DKP=DKP, RATIO=HV // HK, RP=triton.next_power_of_2(HV // HK), num_warps=launch.SCORES_WARPS,
+               **tokens_consts, **launch.due_scan(b, True))
     programs, rounds = launch.refresh_grid(b, T, cache.window)
     solve = (slots, cursors, due, buf["k"], buf["k_scale"], buf["g"], buf["beta"], tinv, decays, HK, HV)
     solve_consts = dict(L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, RP=triton.next_power_of_2(HV // HK),
                         SQUARINGS=LP.bit_length() - 2, ROUNDS=rounds, num_warps=SOLVE_WARPS)
-    FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "gdn")
-    read_after = launch.read_copy_after_fold(cache)
     refresh_args = (slots, cursors, cache.tokens, cache.seeds, tinv, decays, *anchor, *read,
                     buf["k"], buf["k_scale"], buf["v"], buf["beta"], due, HV, HK)
     refresh_consts = dict(T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, FR=FR, KC=KC, STAGES=shape.stages,
                           READ_AFTER=read_after, ROUNDS=rounds, num_warps=shape.refresh_warps, **consts,
                           **({"maxnreg": shape.refresh_maxnreg} if shape.refresh_maxnreg else {}))
-    advanced, advance_consts = launch.advance_args(cache, commit, {"k": k, "k_scale": k_scale, "g": g, "beta": beta})
+    # the scores launch's prepared q, k; the fused-only inputs unused (zero strides: one compile)
     step_args = (slots, cursors, cache.tokens, cache.seeds, tinv, decays, *anchor, *read, buf["k"], buf["k_scale"],
                  buf["v"], buf["beta"], buf["u"], qn, kn, v, *strides(v), beta, *strides(beta)[:3], scores, gammas, o,
-                 due, cache.scratch_row, HV, HK, *advanced)
-    step_consts = dict(T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, BV=shape.rows, FR=FR, KC=KC,
-                       OUTPUT_DOT=shape.output_dot, QP=max(16, triton.next_power_of_2(2 * T)), STREAM=shape.stream,
-                       PIN=shape.pin, STAGES=shape.stages, READ_AFTER=read_after, num_warps=shape.warps, **consts,
-                       **advance_consts)
-    extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
+                 due, cache.scratch_row, HV, HK, *[0] * 8, g, 0, 0, 0, g, 0, g, 0, buf["g"], k_scale, g, beta, tree,
+                 cache.draft_gaps, float(scale), *advanced)
     due_work = [(_gdn_solve_kernel, (HK, programs), solve, solve_consts)]
     if shape.split:
         due_work.append((_gdn_refresh_kernel, (V // FR, HV, programs), refresh_args, refresh_consts))
-    launch.step_launches(_gdn_step_kernel, (V // shape.rows, HV), b, shape, programs, rounds, step_args, step_consts,
+    launch.step_launches(_gdn_step_kernel, (V // shape.rows, HV), b, shape, programs, rounds, step_args,
+                         dict(step_consts, FUSED=False, NORM=False, GATE=False, HAS_DTB=False, TREE=False, MAXD=1),
                          extra, due_work)
     return o
