@@ -214,12 +214,12 @@ def _engine_call(arch, view):
     return (lambda: rs.kda_decode(cache, slots, **tok, use_qk_l2norm=True, backend="triton")), reads
 
 
-@pytest.mark.parametrize("arch", ["mamba2", "gdn", "kda", "gdn_fused"])
+@pytest.mark.parametrize("arch", ["mamba2", "gdn", "kda", "mamba2_fused", "gdn_fused"])
 def test_engine_layouts_reach_the_kernels_without_a_copy(arch):
     """With check_values off (as under CUDA-graph capture), a decode on engine layouts runs no
     PyTorch op beyond allocations and views (the contiguous inputs' set, plus the selects that
     reduce expanded constants), and every kernel that reads a caller's tensor gets its storage:
-    the data pointer of the caller's view, not of a copy (GDN's step of one launch: all of them)."""
+    the data pointer of the caller's view, not of a copy (a step of one launch: all of them)."""
     Ops = helpers.TorchOps
 
     seen = {}
@@ -228,7 +228,7 @@ def test_engine_layouts_reach_the_kernels_without_a_copy(arch):
     for view in (False, True):
         call, reads = _engine_call(arch, view)
         if fused:
-            reads = {"_gdn_step_kernel": [t for kernel_reads in reads.values() for t in kernel_reads]}
+            reads = {f"_{arch}_step_kernel": [t for kernel_reads in reads.values() for t in kernel_reads]}
         launches = []
         launch.LAUNCHER = lambda kernel, grid, a, kw: launches.append(
             (kernel.fn.__name__, {t.data_ptr() for t in a if isinstance(t, torch.Tensor)}))

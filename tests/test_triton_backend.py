@@ -80,7 +80,7 @@ WIDE = {"mamba2": dict(nheads=2, headdim=64, dstate=32, ngroups=1),
                                            ("gdn", "output_dot"), ("gdn", "stream"), ("mamba2", "stream"),
                                            ("mamba2", "split"), ("gdn", "split"), ("gdn", "beside"),
                                            ("gdn", "beside_split"), ("mamba2", "beside"), ("gdn", "fused"),
-                                           ("gdn", "fused_rows64")])
+                                           ("gdn", "fused_rows64"), ("mamba2", "fused"), ("mamba2", "fused_rows64")])
 def test_triton_s32_matches_float64_reference(arch, variant):
     """Decode and verify rounds of every draft length and accept count, with pads and staggered
     slots, across refreshes: the default launch policy at a full 16-entry window (every step of
@@ -111,7 +111,7 @@ def test_triton_s32_matches_float64_reference(arch, variant):
     assert tr.state_error([0, 1, 2]) <= 1e-5
 
 
-@pytest.mark.parametrize("arch, fused", [("mamba2", False), ("gdn", False), ("gdn", True)])
+@pytest.mark.parametrize("arch, fused", [("mamba2", False), ("gdn", False), ("mamba2", True), ("gdn", True)])
 def test_a_refreshing_slot_advances_only_after_its_last_program(arch, fused):
     """A refreshing slot's programs fold the buffered shared entries (B; GDN's k and beta) that
     the advance overwrites with the new tokens', so the last of them to finish advances the slot
@@ -315,13 +315,14 @@ def test_triton_heads_of_16_row_multiples_match_float64(arch):
 #: launch of its own (split); GDN's verify products on tensor cores streamed (fp32, the default for
 #: 4 drafts) or loaded whole (output_dot), or row reductions (NVFP4); its decode from 2-byte and fp8
 #: read copies at dk = 24 (a masked tile) and dk = 40 (fp8: a stored scale block of padding past 40);
-#: GDN's step of one launch (``StepShape.fused``) from fp8, NVFP4 and bf16 read copies.
+#: the step of one launch (``StepShape.fused``) from fp8, NVFP4 and bf16 read copies.
 ANY_DIMS = [("mamba2", 8, 24, "s32_rs", {}), ("mamba2", 24, 48, "tp8_hi32", dict(split=True)),
             ("mamba2", 3, 5, "tp4_hi32", {}), ("gdn", 24, 24, "s32_rs", {}),
             ("gdn", 8, 48, "tp4_hi32", dict(split=True)), ("gdn", 24, 48, "tp8_hi32", dict(output_dot=True, stream=0)),
             ("gdn", 8, 24, "tp16_hi32", {}), ("gdn", 24, 40, "tp8_hi32", {}),
             ("gdn", 24, 48, "tp8_hi32", dict(fused=True)), ("gdn", 8, 24, "tp4_hi32", dict(fused=True)),
-            ("gdn", 24, 40, "tpbf16_hi32", dict(fused=True, warps=4))]
+            ("gdn", 24, 40, "tpbf16_hi32", dict(fused=True, warps=4)), ("mamba2", 24, 48, "tp8_hi32", dict(fused=True)),
+            ("mamba2", 3, 5, "tp4_hi32", dict(fused=True, warps=4))]
 
 
 @pytest.mark.parametrize("arch, dv, dk, preset, tuning", ANY_DIMS)
@@ -452,8 +453,8 @@ def test_a_triton_step_is_two_or_three_launches_and_no_pytorch_compute(arch):
             launch.LAUNCHER = launch._launch
             launch.TUNING.clear()
         names = [name for name, _ in launches]
-        if fused and arch == "gdn":
-            assert names == ["_gdn_step_kernel"]
+        if fused:
+            assert names == [f"_{arch}_step_kernel"]
             assert ops.names <= {"empty", "empty_like", "select", "unsqueeze", "view", "slice"}, ops.names
             continue
         solve = ["_gdn_solve_kernel"] if arch == "gdn" else []
@@ -538,6 +539,10 @@ def test_step_shapes_follow_the_policy():
     assert launch.step_shape(fp4, "gdn", 4).rows == 32 and not launch.step_shape(fp4, "gdn", 4).output_dot
     small = rs.Mamba2Cache(1, 2, 16, 32)
     assert launch.step_shape(small, "mamba2").rows == 16
+    for arch, cache in (("gdn", wide), ("mamba2", m8), ("kda", kda)):  # one launch for the smallest steps
+        assert [launch.step_shape(cache, arch, T, batch=b).fused
+                for b, T in ((1, 1), (2, 2), (3, 1), (1, 3))] == [arch != "kda"] * 2 + [False] * 2
+    assert launch.step_shape(wide, "gdn", 1, batch=1)[:2] == (32, 2)
     odd = rs.GDNCache(1, 1, 2, 48, 24, precision="tp8_hi32")  # dk = 48, dv = 24: 8-row blocks
     assert launch.step_shape(odd, "gdn").rows == 8 and launch.column_pad(odd) == 64
     assert launch.step_shape(rs.Mamba2Cache(1, 2, 3, 5), "mamba2").rows == 1

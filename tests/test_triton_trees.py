@@ -39,12 +39,13 @@ def test_triton_every_tree_path_matches_the_recurrence(arch):
     helpers.record(f"triton {arch} tree max abs err", d.max_err)
 
 
-def test_triton_trees_in_a_step_of_one_launch():
-    """GDN's step of one launch (``StepShape.fused``): each program takes its draft's path from the
+@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
+def test_triton_trees_in_a_step_of_one_launch(arch):
+    """A step of one launch (``StepShape.fused``): each program takes its draft's path from the
     tree itself, and program (0, 0) of a batch row stores its pending tree for accept."""
     from replayssm._triton import launch
 
-    d = driver("gdn", window=6)
+    d = driver(arch, window=6)
     launch.TUNING.update(fused=True)
     try:
         mixed_rounds(d, 6)

@@ -4,7 +4,9 @@ A decay between two positions is exp of the sum of the log decays between them. 
 segment directly keeps its relative accuracy; the difference c_t - c_j of two fp32 prefix sums
 loses ~ulp(c) absolutely once the prefix sums are large (strong decays), a relative error of
 every decay factor. Segments to a query are suffix sums of the window's own terms
-(``path_decays``), and the refresh's are masked [LP, LP] sums: windows are short (<= 32).
+(``path_decays``), and the refresh's are masked [LP, LP] sums: windows are short (<= 32). The
+refresh's sums are ``ordered_row_sums``, whose bits no launch shape changes: the anchor a refresh
+folds is the same whether a launch of its own or the refreshing program computes them.
 """
 import triton
 import triton.language as tl
@@ -28,3 +30,14 @@ def path_decays(G, G_next, path, path_next):
     seg = tl.cumsum(tl.where(path_next[None, :], G_next, 0.0), 1, reverse=True)
     decay = tl.exp(tl.where(path[None, :], seg, float("-inf")))  # masked before exp
     return decay, tl.exp(tl.sum(tl.where(path[None, :], G, 0.0), 1))
+
+
+@triton.jit
+def ordered_row_sums(X):
+    """sum_k X[r, j, k] [R, LP] for X [R, LP, LP] fp32, in the order k = 0, 1, ...: an IEEE
+    product with ones (its FMAs accumulate over k in order, in any layout), whose first column a
+    masked sum takes out (it adds zeros only). A plain tl.sum's order follows the layout, so its
+    bits would depend on the program's warps and how many heads it takes."""
+    k = tl.arange(0, X.shape[2])
+    both = tl.dot(X, tl.full(X.shape, 1.0, tl.float32), input_precision="ieee")
+    return tl.sum(tl.where(k[None, None, :] == 0, both, 0.0), 2)

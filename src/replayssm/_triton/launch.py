@@ -564,10 +564,27 @@ SPLIT_MIN_BATCH = 64
 SIDE_STREAM_ARCHS = ("gdn",)  # Mamba-2's slots due beside at batch 8-32 ran slower (s32_rs 30.2 -> 33.4 at 16)
 
 
+#: Steps of at most FUSED_MAX_T tokens over at most FUSED_MAX_BATCH batch rows run as one launch
+#: (``StepShape.fused``, FUSED_SHAPE), where a step is launch latency (H200, one run, staggered, us
+#: per step, launches -> one launch of 32 rows x 2 warps: batch 1 decode GDN s32_rs 7.5 -> 6.6,
+#: tp16_hi32 7.7 -> 7.1, Mamba-2 s32_rs 5.8 -> 5.4, tp16_hi32 5.7 -> 5.1; verify of 2 drafts at
+#: 4 warps GDN s32_rs 17.3 -> 15.8, Mamba-2 13.9 -> 13.6, at 2 warps 13.2; batch 2 decode GDN 9.3 ->
+#: 9.3, Mamba-2 7.1 -> 6.8, tp16_hi32 6.9 -> 6.2; slower at batch 4: GDN 15.0 -> 16.1, Mamba-2
+#: 9.6 -> 11.8; at batch 8 and 32 far slower, since every program repeats its head's shared work
+#: and the refresh branch sets every program's registers). Two warps, not four: GDN's refresh
+#: solved by a 4-warp program gave other anchor bits than the solve launch on the GPU (max 2.4e-7,
+#: ``benchmarks/refresh_bits.py``), by a 2-warp one the same.
+FUSED_MAX_BATCH = 2
+FUSED_MAX_T = 2
+FUSED_SHAPE = dict(rows=32, warps=2, fused=True)
+FUSED_ARCHS = ("mamba2", "gdn")
+
+
 def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> StepShape:
     """The launch shape of a step of T tokens over ``batch`` rows of ``cache`` (``SHAPES``; the
     refresh a branch below SPLIT_MIN_BATCH rows, and the slots due beside the others there where a
-    step expects one, ``SIDE_STREAM_ARCHS``; ``TUNING`` over it). Rows are a multiple of
+    step expects one, ``SIDE_STREAM_ARCHS``; one launch for the smallest steps, ``FUSED_MAX_BATCH``;
+    ``TUNING`` over it). Rows are a multiple of
     FOLD_ROWS that divides dv, or the cache's row block (gcd(dv, 32), a power of two: 16 for dv =
     80, 8 for dv = 8 or 24) where dv is not a multiple of FOLD_ROWS or is at most FOLD_ROWS: a
     program owns whole NVFP4 global-scale blocks (``formats.global_scale_index``), one or several."""
@@ -578,6 +595,8 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
             found = BASE_SHAPE._replace(**fields)
     if batch < SPLIT_MIN_BATCH:
         found = found._replace(split=False, beside=arch in SIDE_STREAM_ARCHS and batch * T >= cache.window)
+    if batch <= FUSED_MAX_BATCH and T <= FUSED_MAX_T and arch in FUSED_ARCHS:
+        found = found._replace(**FUSED_SHAPE)
     found = found._replace(**TUNING)
     if found.fused:
         found = found._replace(split=False, beside=False, output_dot=False)

@@ -45,7 +45,7 @@ import triton.language as tl
 from .._triton import launch
 from .._triton.launch import advance_row, after_previous_launch
 from .._triton.solve import unit_lower_inverse
-from .._triton.decay import path_decays, softplus
+from .._triton.decay import ordered_row_sums, path_decays, softplus
 from .._triton.window import (ancestor_bits, draft_paths, due_slot, head_window, list_due, pending_tree, slot_cursor,
                               step_item, window_keys)
 from .._triton.formats import (as_query, as_stored, column, global_scale_index, load_query, load_read, load_tile, matvec,
@@ -76,13 +76,11 @@ def _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L: tl.cons
     through = tl.where(ic <= jr, g_c[:, None, :], 0.0)  # [r, j, k]: g_k for k <= j
     after = tl.where((ic > jr) & (ic < h), g_c[:, None, :], 0.0)  # [r, j, k]: g_k for j < k < h
     upper = tl.broadcast_to(tl.where(jr > ic, 1.0, 0.0), (RP, LP, LP))  # [r, k, i]: k > i
-    ones = tl.full((RP, LP, LP), 1.0, tl.float32)
-    # every sum is a product's: IEEE products accumulate over k in order, in any layout, so the
-    # bits do not depend on the program's warps or how many heads it takes (a column taken out
-    # of a product by a masked sum adds zeros only: exact)
+    # every sum in k order (IEEE products), whatever the program's layout: the same bits from the
+    # solve launch and from a refreshing program of a step of one launch
     seg = tl.dot(through, upper, input_precision="ieee")  # [r, j, i]: g(i, j]
-    prefix = tl.sum(tl.where(ic == 0, tl.dot(through, ones, input_precision="ieee"), 0.0), 2)  # [r, j]: c_j
-    suffix = tl.sum(tl.where(ic == 0, tl.dot(after, ones, input_precision="ieee"), 0.0), 2)  # [r, j]: g(j, h)
+    prefix = ordered_row_sums(through)  # [r, j]: c_j
+    suffix = ordered_row_sums(after)  # [r, j]: g(j, h)
     ec = tl.where(old[None, :], tl.exp(prefix), 0.0)
     es = tl.where(old[None, :], tl.exp(suffix), 0.0)
     total = tl.where(j[None, :] == LP - 1, prefix, 0.0)  # c_h: g_c is zero from h on

@@ -34,11 +34,30 @@ import triton.language as tl
 
 from .._triton import launch
 from .._triton.launch import advance_row, after_previous_launch
-from .._triton.decay import path_decays, softplus
+from .._triton.decay import ordered_row_sums, path_decays, softplus
 from .._triton.window import (ancestor_bits, draft_paths, due_slot, head_window, list_due, pending_tree, slot_cursor,
                               step_item, window_rows)
-from .._triton.formats import (column, global_scale_index, load_query, load_read, load_tile, matvec,
+from .._triton.formats import (as_query, column, global_scale_index, load_query, load_read, load_tile, matvec,
                                pin_vector_width, read_copy_from_anchor, streamed_products, within, write_checkpoint)
+
+
+@triton.jit
+def _fold_weights(bla_ptr, bdt_ptr, row, heads, mine, h, H, L: tl.constexpr, LP: tl.constexpr):
+    """A refresh's per-token scalars for heads ``heads`` [R] (``mine``: the real ones) of a slot of
+    h committed entries: the fold weights w_j = gamma_{j+1:h} dt_j [R, LP] (zero past h) and the
+    history decay gamma_{1:h} [R]. Sums in k order (``decay.ordered_row_sums``), so the scores
+    launch (a group's heads) and a refreshing program of a step of one launch (its own head) fold
+    the same bits."""
+    j = tl.arange(0, LP)
+    old = mine[:, None] & (j < h)[None, :]
+    entry = (row * L + j[None, :]) * H + heads[:, None]  # [R, LP]
+    la_c = tl.load(bla_ptr + entry, mask=old, other=0.0)
+    k3 = j[None, None, :]
+    later = (k3 > j[None, :, None]) & (k3 < h)  # entries after j in the history
+    w = tl.exp(ordered_row_sums(tl.where(later, la_c[:, None, :], 0.0))) * tl.load(bdt_ptr + entry, mask=old,
+                                                                                   other=0.0)
+    every = ordered_row_sums(tl.broadcast_to(la_c[:, None, :], (la_c.shape[0], LP, LP)))  # each row: the sum
+    return w, tl.exp(tl.sum(tl.where(j[None, :] == 0, every, 0.0), 1))
 
 
 @triton.jit
@@ -90,15 +109,10 @@ def _mamba2_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bB_ptr, bdt_ptr
         if TREE:
             pending_tree(parents_ptr, gaps_ptr, pid_b, valid, row, T, MAXD)
     j = tl.arange(0, LP)
-    if need:  # the refresh's per-token scalars of the group's heads, at this launch's shape for every preset
-        old = mine[:, None] & (j < h)[None, :]
-        entry = (row * L + j[None, :]) * H + heads[:, None]  # [HG, LP]
-        la_c = tl.load(bla_ptr + entry, mask=old, other=0.0)
-        k3 = j[None, None, :]
-        later = (k3 > j[None, :, None]) & (k3 < h)  # entries after j in the history
-        w = tl.exp(tl.sum(tl.where(later, la_c[:, None, :], 0.0), 2)) * tl.load(bdt_ptr + entry, mask=old, other=0.0)
+    if need:  # the refresh's per-token scalars of the group's heads
+        w, decay = _fold_weights(bla_ptr, bdt_ptr, row, heads, mine, h, H, L, LP)
         tl.store(fold_w_ptr + (pid_b * H + heads[:, None]) * LP + j[None, :], w, mask=mine[:, None])
-        tl.store(fold_decay_ptr + pid_b * H + heads, tl.exp(tl.sum(la_c, 1)), mask=mine)
+        tl.store(fold_decay_ptr + pid_b * H + heads, decay, mask=mine)
     h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
     ck = tl.arange(0, DKP)  # columns from DK on are zero
     K = window_rows(bB_ptr, B_ptr, sBb, sBt, sBh, sBe, row, pid_b, h, group, G, ck, DK, T, L, LP)
@@ -119,7 +133,7 @@ def _mamba2_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bB_ptr, bdt_ptr
 
 
 @triton.jit
-def _mamba2_refresh_rows(pid_b, head, row, h, r0, seeds_ptr, tokens_ptr, fold_w_ptr, fold_decay_ptr,
+def _mamba2_refresh_rows(pid_b, head, row, h, r0, seeds_ptr, tokens_ptr, w, decay,
                          av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, H, G,
                          L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
                          BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
@@ -127,14 +141,13 @@ def _mamba2_refresh_rows(pid_b, head, row, h, r0, seeds_ptr, tokens_ptr, fold_w_
                          READ_AFTER: tl.constexpr):
     """Refresh rows r0 .. r0 + BV of one head of storage row ``row`` (h committed entries): fold
     FR rows by KC columns at a time, S = gamma_h S_anchor + (x_j w_j)_j B^T, and encode them (the
-    last pass masked from column DK on)."""
+    last pass masked from column DK on); w [LP], decay: the head's fold weights and history decay
+    (``_fold_weights``)."""
     mat = row * H + head
     group = head // (H // G)
     j = tl.arange(0, LP)
     old = j < h
     buf_tok = row * L + j
-    w = tl.load(fold_w_ptr + (pid_b * H + head) * LP + j)
-    decay = tl.load(fold_decay_ptr + pid_b * H + head)
     seed = tl.load(seeds_ptr + row)
     tokens = tl.load(tokens_ptr + row)
     for f in tl.static_range(BV // FR):
@@ -172,7 +185,9 @@ def _mamba2_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w
         r = c + it * tl.num_programs(2)
         if r < count:
             pid_b, row, h = due_slot(due_ptr, slots_ptr, cursors_ptr, r)
-            _mamba2_refresh_rows(pid_b, head, row, h, pid_v * FR, seeds_ptr, tokens_ptr, fold_w_ptr, fold_decay_ptr,
+            w = tl.load(fold_w_ptr + (pid_b * H + head) * LP + tl.arange(0, LP))
+            decay = tl.load(fold_decay_ptr + pid_b * H + head)
+            _mamba2_refresh_rows(pid_b, head, row, h, pid_v * FR, seeds_ptr, tokens_ptr, w, decay,
                                  av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, H, G, L, LP, DV, DK,
                                  DKP, FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
 
@@ -205,20 +220,77 @@ def _token_loads(x_ptr, sxb, sxt, sxh, sxe, C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD
 
 
 @triton.jit
+def _prepared_tokens(B_ptr, sBb, sBt, sBh, sBe, C_ptr, sCb, sCt, sCh, sCe, dt_ptr, sdb, sdt, sdh, bias_ptr, s_bias,
+                     A_ptr, s_A, x_ptr, sxb, sxt, sxh, sxe, D_ptr, sD, z_ptr, szb, szt, szh, sze, bB_ptr, bdt_ptr,
+                     bla_ptr, dtn_ptr, la_ptr, parents_ptr, pid_v, pid_b, valid, row, h, head, group, rv, H, G,
+                     T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
+                     R_FMT: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     SOFTPLUS: tl.constexpr, TREE: tl.constexpr):
+    """A step of one launch (``StepShape.fused``): the scores launch's work for the program's own
+    head, by the same operations (``_mamba2_scores_kernel``), from the caller's B, C [b, T, G, N],
+    dt [b, T, H] (dt_bias, softplus), A, read through their strides; returns ``_token_loads``'
+    tuple. Programs of row block 0 store the head's prepared step sizes and log decays into dtn,
+    la [b, T, H] fp32, which the batch row's advance (its last program, ``launch.advance_row``)
+    copies into the buffer."""
+    j = tl.arange(0, LP)
+    ck = tl.arange(0, DKP)
+    hv = head + tl.arange(0, 1)  # the program's head, as a batch of one for the window helpers
+    A = tl.load(A_ptr + hv * s_A).to(tl.float32)
+    steps, log_decays = (), ()
+    for s in tl.static_range(T):
+        at = (pid_b * T + s) * H + hv
+        d = tl.load(dt_ptr + pid_b * sdb + s * sdt + hv * sdh).to(tl.float32)
+        if HAS_BIAS:
+            d += tl.load(bias_ptr + hv * s_bias).to(tl.float32)
+        if SOFTPLUS:
+            d = softplus(d)
+        steps, log_decays = steps + (d,), log_decays + (A * d,)
+        tl.store(dtn_ptr + at, d, mask=pid_v == 0)
+        tl.store(la_ptr + at, log_decays[s], mask=pid_v == 0)
+    K = window_rows(bB_ptr, B_ptr, sBb, sBt, sBh, sBe, row, pid_b, h, group, G, ck, DK, T, L, LP)
+    LA = head_window(bla_ptr, la_ptr, 0, 0, 0, log_decays, row, pid_b, h, j, hv, hv >= 0, H, T, L, True)
+    LA_next = head_window(bla_ptr, la_ptr, 0, 0, 0, log_decays, row, pid_b, h, j + 1, hv, hv >= 0, H, T, L, True)
+    DT = head_window(bdt_ptr, dtn_ptr, 0, 0, 0, steps, row, pid_b, h, j, hv, hv >= 0, H, T, L, True)
+    anc = ancestor_bits(parents_ptr, pid_b, valid, T) if TREE else 0
+    tokens_in = ()
+    for s in tl.static_range(T):
+        q = tl.load(C_ptr + pid_b * sCb + s * sCt + group * sCh + ck * sCe, mask=within(ck, DK),
+                    other=0.0).to(tl.float32)
+        path, path_next = draft_paths(anc, h, s, LP, TREE)  # j <= h + s for a chain
+        decay, gamma = path_decays(LA, LA_next, path, path_next)
+        w = tl.sum(decay * DT, 0) * tl.sum(K * q[None, :], 1)  # [LP]: the one head's
+        qa, qb = as_query(q, R_FMT)
+        D, xq, zq = 0.0, 0.0, 0.0
+        if HAS_D:
+            D = tl.load(D_ptr + head * sD).to(tl.float32)
+        if HAS_D or HAS_Z:
+            xq = tl.load(x_ptr + pid_b * sxb + s * sxt + head * sxh + rv * sxe).to(tl.float32)
+        if HAS_Z:
+            zq = tl.load(z_ptr + pid_b * szb + s * szt + head * szh + rv * sze).to(tl.float32)
+        tokens_in = tokens_in + ((w, tl.sum(gamma, 0), qa, qb, D, xq, zq),)
+    return tokens_in
+
+
+@triton.jit
 def _mamba2_step_program(
         pid_v, head, pid_b, valid, row, h, need,
         tokens_ptr, seeds_ptr, fold_w_ptr, fold_decay_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
         bx_ptr, bB_ptr, x_ptr, sxb, sxt, sxh, sxe, C_ptr, sCb, sCt, sCh, sCe,
         D_ptr, sD, z_ptr, szb, szt, szh, sze, scores_ptr, gammas_ptr, y_ptr, H, G,
+        B_ptr, sBb, sBt, sBh, sBe, dt_ptr, sdb, sdt, sdh, bias_ptr, s_bias, A_ptr, s_A, bdt_ptr, bla_ptr, dtn_ptr,
+        la_ptr, parents_ptr,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
         BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
         R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
         PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr,
-        OUTPUT_DOT: tl.constexpr, QP: tl.constexpr, STREAM: tl.constexpr):
+        OUTPUT_DOT: tl.constexpr, QP: tl.constexpr, STREAM: tl.constexpr, FUSED: tl.constexpr,
+        HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, TREE: tl.constexpr):
     """Rows pid_v BV .. (pid_v + 1) BV of ``head`` of batch row ``pid_b`` (storage row ``row``, h
     committed entries, ``need``: due to refresh, folded here first when REFRESH). OUTPUT_DOT: the
     read-copy products S_read C_s of every token as one tensor-core product streamed over column
-    chunks (``formats.streamed_products``, STREAM chunks in flight), else row reductions."""
+    chunks (``formats.streamed_products``, STREAM chunks in flight), else row reductions. FUSED (a
+    step of one launch): the program computes its refresh's scalars (``_fold_weights``) and its
+    weights (``_prepared_tokens``) itself; else the scores launch's."""
     group = head // (H // G)
     mat = row * H + head
     gidx = global_scale_index(mat, pid_v * BV, BV, DV)  # NVFP4: the global scales of these rows
@@ -228,7 +300,14 @@ def _mamba2_step_program(
     buf_tok = row * L + j  # [LP] buffer token index of this slot
     if REFRESH:
         if need:  # refresh: fold the h committed entries into a new checkpoint, from the anchor
-            _mamba2_refresh_rows(pid_b, head, row, h, pid_v * BV, seeds_ptr, tokens_ptr, fold_w_ptr, fold_decay_ptr,
+            if FUSED:
+                hv = head + tl.arange(0, 1)
+                w, decay = _fold_weights(bla_ptr, bdt_ptr, row, hv, hv >= 0, h, H, L, LP)
+                w, decay = tl.reshape(w, (LP,)), tl.sum(decay, 0)
+            else:
+                w = tl.load(fold_w_ptr + (pid_b * H + head) * LP + j)
+                decay = tl.load(fold_decay_ptr + pid_b * H + head)
+            _mamba2_refresh_rows(pid_b, head, row, h, pid_v * BV, seeds_ptr, tokens_ptr, w, decay,
                                  av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, H, G, L, LP, DV, DK,
                                  DKP, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
             tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
@@ -240,9 +319,17 @@ def _mamba2_step_program(
     else:
         ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, DKP, R_FMT)
     X = window_rows(bx_ptr, x_ptr, sxb, sxt, sxh, sxe, row, pid_b, h, head, H, rv, DV, T, L, LP)
-    tokens_in = _token_loads(x_ptr, sxb, sxt, sxh, sxe, C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD, z_ptr, szb, szt, szh,
-                             sze, scores_ptr, gammas_ptr, pid_b, head, group, rv, H, G, T, LP, DV, DK, DKP, R_FMT,
-                             HAS_D, HAS_Z, OUTPUT_DOT)
+    if FUSED:
+        tl.static_assert(not OUTPUT_DOT, "a step of one launch takes its read-copy products by row reductions")
+        tokens_in = _prepared_tokens(B_ptr, sBb, sBt, sBh, sBe, C_ptr, sCb, sCt, sCh, sCe, dt_ptr, sdb, sdt, sdh,
+                                     bias_ptr, s_bias, A_ptr, s_A, x_ptr, sxb, sxt, sxh, sxe, D_ptr, sD, z_ptr, szb,
+                                     szt, szh, sze, bB_ptr, bdt_ptr, bla_ptr, dtn_ptr, la_ptr, parents_ptr, pid_v,
+                                     pid_b, valid, row, h, head, group, rv, H, G, T, L, LP, DK, DKP, R_FMT, HAS_D,
+                                     HAS_Z, HAS_BIAS, SOFTPLUS, TREE)
+    else:
+        tokens_in = _token_loads(x_ptr, sxb, sxt, sxh, sxe, C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD, z_ptr, szb, szt,
+                                 szh, sze, scores_ptr, gammas_ptr, pid_b, head, group, rv, H, G, T, LP, DV, DK, DKP,
+                                 R_FMT, HAS_D, HAS_Z, OUTPUT_DOT)
     if PIN:
         pin_vector_width(rv_ptr, mat, rv, ck, h < 0, DV, DK, PIN)
     new = (j >= h) & (j < h + T)
@@ -274,7 +361,10 @@ def _mamba2_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_pt
                         sxt: tl.constexpr, sxh: tl.constexpr, sxe: tl.constexpr, C_ptr,
                         sCb: tl.constexpr, sCt: tl.constexpr, sCh: tl.constexpr, sCe: tl.constexpr, D_ptr,
                         sD: tl.constexpr, z_ptr, szb: tl.constexpr, szt: tl.constexpr, szh: tl.constexpr,
-                        sze: tl.constexpr, scores_ptr, gammas_ptr, y_ptr, due_ptr, SCRATCH, H, G, committed_ptr,
+                        sze: tl.constexpr, scores_ptr, gammas_ptr, y_ptr, due_ptr, SCRATCH, H, G, B_ptr,
+                        sBb: tl.constexpr, sBt: tl.constexpr, sBh: tl.constexpr, sBe: tl.constexpr, dt_ptr,
+                        sdb: tl.constexpr, sdt: tl.constexpr, sdh: tl.constexpr, bias_ptr, s_bias: tl.constexpr,
+                        A_ptr, s_A, bdt_ptr, bla_ptr, dtn_ptr, la_ptr, parents_ptr, gaps_ptr, committed_ptr,
                         pending_ptr, refreshes_ptr, done_ptr, s1,
                         s1b: tl.constexpr, s1t: tl.constexpr, s1h: tl.constexpr, s1e: tl.constexpr, d1, s2,
                         s2b: tl.constexpr, s2t: tl.constexpr, s2h: tl.constexpr, s2e: tl.constexpr, d2, s3,
@@ -290,27 +380,45 @@ def _mamba2_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_pt
                         COMMIT: tl.constexpr, F1: tl.constexpr, F1P: tl.constexpr,
                         W1: tl.constexpr, F2: tl.constexpr, F2P: tl.constexpr, W2: tl.constexpr, F3: tl.constexpr,
                         F3P: tl.constexpr, W3: tl.constexpr, F4: tl.constexpr, F4P: tl.constexpr,
-                        W4: tl.constexpr, PDL: tl.constexpr):
+                        W4: tl.constexpr, FUSED: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+                        TREE: tl.constexpr, MAXD: tl.constexpr, PDL: tl.constexpr):
     """Program (v, head, c), c a batch row or, with DUE = ``launch.DUE_ONLY``, the slots due of
     ranks c, c + n, ... (``window.step_item``). The decays of every draft, along its own path for a
     tree, are in the scores launch's weights and gammas, so a tree's step is a chain's. The
     caller's x, C, D, z are read through their strides. One program per batch row then advances it
-    (``launch.advance_row``: committed ... d3, COMMIT, F*, W*)."""
+    (``launch.advance_row``: committed ... d3, COMMIT, F*, W*). FUSED: the whole step in this one
+    launch (``StepShape.fused``): c is the batch row, whose committed count every program reads
+    before the row's last program to finish advances it; each program prepares its head's inputs
+    from the caller's B, C, dt (dt_bias, softplus), A (strides sB*, sC*, sd*, s_bias, s_A) and
+    computes its refresh's scalars; ``parents`` a draft tree (TREE; its pending tree stored by
+    program (0, 0, c), ``window.pending_tree``)."""
     after_previous_launch(PDL)
     # row blocks vary fastest: programs running side by side stream one slot's contiguous state
     pid_v, head, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     count = tl.load(due_ptr) if DUE == 2 else 0
     for it in tl.range(0, ROUNDS, num_stages=1):  # a constant trip count: the interpreter needs one
-        active, pid_b, valid, row, h, need = step_item(due_ptr, slots_ptr, cursors_ptr, c, it, count, SCRATCH, T, L,
-                                                       DUE)
+        if FUSED:
+            pid_b, active = c, True
+            valid, row, h, need = slot_cursor(slots_ptr, committed_ptr, c, SCRATCH, T, L)
+            if TREE:
+                if (pid_v == 0) & (head == 0):
+                    pending_tree(parents_ptr, gaps_ptr, c, valid, row, T, MAXD)
+        else:
+            active, pid_b, valid, row, h, need = step_item(due_ptr, slots_ptr, cursors_ptr, c, it, count, SCRATCH, T,
+                                                           L, DUE)
         if active:
             _mamba2_step_program(
                 pid_v, head, pid_b, valid, row, h, need, tokens_ptr, seeds_ptr, fold_w_ptr, fold_decay_ptr, av_ptr,
                 as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, x_ptr, sxb, sxt, sxh, sxe,
                 C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD, z_ptr, szb, szt, szh, sze, scores_ptr, gammas_ptr,
-                y_ptr, H, G, T, L, LP, DV, DK, DKP, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, HAS_D, HAS_Z, PIN,
-                REFRESH, STAGES, READ_AFTER, OUTPUT_DOT, QP, STREAM)
-            advance_row(pid_b, valid, row, tl.where(need, 0, h), need, (pid_v == 0) & (head == 0), need & REFRESH,
+                y_ptr, H, G, B_ptr, sBb, sBt, sBh, sBe, dt_ptr, sdb, sdt, sdh, bias_ptr, s_bias, A_ptr, s_A, bdt_ptr,
+                bla_ptr, dtn_ptr, la_ptr, parents_ptr, T, L, LP, DV, DK, DKP, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR,
+                SHARED, HAS_D, HAS_Z, PIN, REFRESH, STAGES, READ_AFTER, OUTPUT_DOT, QP, STREAM, FUSED, HAS_BIAS,
+                SOFTPLUS, TREE)
+            counted = need & REFRESH
+            if FUSED:  # the last program advances, after every program of the row has read its cursor
+                counted = valid
+            advance_row(pid_b, valid, row, tl.where(need, 0, h), need, (pid_v == 0) & (head == 0), counted,
                         tokens_ptr, committed_ptr, pending_ptr, refreshes_ptr, done_ptr, s1, s1b, s1t, s1h, s1e, d1,
                         s2, s2b, s2t, s2h, s2e, d2, s3, s3b, s3t, s3h, s3e, d3, s4, s4b, s4t, s4h, s4e, d4, T, L,
                         COMMIT, F1, F1P, W1, F2, F2P, W2, F3, F3P, W3, F4, F4P, W4)
@@ -333,41 +441,56 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     shape = launch.step_shape(cache, "mamba2", T, b)
     buf = cache.buffer
     LP, DKP = launch.window_pad(cache), launch.column_pad(cache)
-    scores = torch.empty(b, H, T, LP, dtype=torch.float32, device=dev)
-    gammas = torch.empty(b, H, T, dtype=torch.float32, device=dev)
-    fold_w = torch.empty(b, H, LP, dtype=torch.float32, device=dev)
-    fold_decay = torch.empty(b, H, dtype=torch.float32, device=dev)
     cursors = torch.empty(b, dtype=cache.committed.dtype, device=dev)
     dt_in, dt = dt, torch.empty(b, T, H, dtype=torch.float32, device=dev)
     log_alpha = torch.empty_like(dt)
-    listed = shape.split or shape.beside  # a launch over the slots due reads their list
-    due = torch.empty(b + 1 if listed else 1, dtype=torch.int32, device=dev)
-    tree = dict(parents=cursors if parents is None else parents.contiguous(), TREE=parents is not None)
-    launch.run(_mamba2_scores_kernel, (b, G), slots, cache.committed, cursors, buf["B"], buf["dt"], buf["log_alpha"],
-               B, *strides(B), C, *strides(C), scores, fold_w, fold_decay, dt_in, *strides(dt_in)[:3],
-               A if dt_bias is None else dt_bias, launch.head_stride(dt_bias), A, launch.head_stride(A), dt,
-               log_alpha, gammas, due, tree["parents"], cache.draft_gaps, cache.scratch_row, b, H, G, T=T,
-               L=cache.window, LP=LP, DK=N, DKP=DKP, HG=triton.next_power_of_2(H // G), HAS_BIAS=dt_bias is not None,
-               SOFTPLUS=bool(dt_softplus), TREE=tree["TREE"], MAXD=cache.max_draft, num_warps=launch.SCORES_WARPS,
-               **launch.due_scan(b, listed))
+    tree = cursors if parents is None else parents.contiguous()
     FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "mamba2")
     read_after = launch.read_copy_after_fold(cache)
-    programs, rounds = launch.refresh_grid(b, T, cache.window)
-    refresh = (slots, cursors, cache.tokens, cache.seeds, fold_w, fold_decay, *anchor, *read,
-               buf["x"], buf["B"], due, H, G)
-    refresh_consts = dict(T=T, L=cache.window, LP=LP, DV=P, DK=N, DKP=DKP, FR=FR, KC=KC, STAGES=shape.stages,
-                          READ_AFTER=read_after, ROUNDS=rounds, num_warps=shape.refresh_warps, **consts)
     advanced, advance_consts = launch.advance_args(cache, commit, {"dt": dt, "log_alpha": log_alpha, "B": B})
-    step_args = (slots, cursors, cache.tokens, cache.seeds, fold_w, fold_decay, *anchor, *read,
-                 buf["x"], buf["B"], x, *strides(x), C, *strides(C), x if D is None else D, launch.head_stride(D),
-                 x if z is None else z, *strides(x if z is None else z), scores, gammas, y, due, cache.scratch_row, H,
-                 G, *advanced)
+    inputs_consts = dict(HAS_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), TREE=parents is not None,
+                         MAXD=cache.max_draft)
     step_consts = dict(T=T, L=cache.window, LP=LP, DV=P, DK=N, DKP=DKP, BV=shape.rows, FR=FR, KC=KC,
                        HAS_D=D is not None, HAS_Z=z is not None, PIN=shape.pin, STAGES=shape.stages,
                        READ_AFTER=read_after, OUTPUT_DOT=shape.output_dot, QP=max(16, triton.next_power_of_2(T)),
                        STREAM=shape.stream, num_warps=shape.warps, **consts, **advance_consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
+    step_inputs = (x, *strides(x), C, *strides(C), x if D is None else D, launch.head_stride(D),
+                   x if z is None else z, *strides(x if z is None else z))
+    if shape.fused:  # one launch: every program prepares its own head's inputs and refresh scalars
+        unused = cursors  # the scores launch's results: never read
+        step_args = (slots, unused, cache.tokens, cache.seeds, unused, unused, *anchor, *read, buf["x"], buf["B"],
+                     *step_inputs, unused, unused, y, unused, cache.scratch_row, H, G, B, *strides(B), dt_in,
+                     *strides(dt_in)[:3], A if dt_bias is None else dt_bias, launch.head_stride(dt_bias), A,
+                     launch.head_stride(A), buf["dt"], buf["log_alpha"], dt, log_alpha, tree, cache.draft_gaps,
+                     *advanced)
+        assert not shape.output_dot and not shape.beside and not shape.split
+        launch.run(_mamba2_step_kernel, (P // shape.rows, H, b), *step_args, REFRESH=True, DUE=launch.EVERY_SLOT,
+                   ROUNDS=1, FUSED=True, **extra, **step_consts, **inputs_consts)
+        return y
+    scores = torch.empty(b, H, T, LP, dtype=torch.float32, device=dev)
+    gammas = torch.empty(b, H, T, dtype=torch.float32, device=dev)
+    fold_w = torch.empty(b, H, LP, dtype=torch.float32, device=dev)
+    fold_decay = torch.empty(b, H, dtype=torch.float32, device=dev)
+    listed = shape.split or shape.beside  # a launch over the slots due reads their list
+    due = torch.empty(b + 1 if listed else 1, dtype=torch.int32, device=dev)
+    launch.run(_mamba2_scores_kernel, (b, G), slots, cache.committed, cursors, buf["B"], buf["dt"], buf["log_alpha"],
+               B, *strides(B), C, *strides(C), scores, fold_w, fold_decay, dt_in, *strides(dt_in)[:3],
+               A if dt_bias is None else dt_bias, launch.head_stride(dt_bias), A, launch.head_stride(A), dt,
+               log_alpha, gammas, due, tree, cache.draft_gaps, cache.scratch_row, b, H, G, T=T,
+               L=cache.window, LP=LP, DK=N, DKP=DKP, HG=triton.next_power_of_2(H // G), num_warps=launch.SCORES_WARPS,
+               **inputs_consts, **launch.due_scan(b, listed))
+    programs, rounds = launch.refresh_grid(b, T, cache.window)
+    refresh = (slots, cursors, cache.tokens, cache.seeds, fold_w, fold_decay, *anchor, *read,
+               buf["x"], buf["B"], due, H, G)
+    refresh_consts = dict(T=T, L=cache.window, LP=LP, DV=P, DK=N, DKP=DKP, FR=FR, KC=KC, STAGES=shape.stages,
+                          READ_AFTER=read_after, ROUNDS=rounds, num_warps=shape.refresh_warps, **consts)
+    # the fused-only inputs unused (zero strides: one compile)
+    step_args = (slots, cursors, cache.tokens, cache.seeds, fold_w, fold_decay, *anchor, *read, buf["x"], buf["B"],
+                 *step_inputs, scores, gammas, y, due, cache.scratch_row, H, G, B, 0, 0, 0, 0, B, 0, 0, 0, B, 0, B, 0,
+                 B, B, B, B, B, B, *advanced)
     due_work = [(_mamba2_refresh_kernel, (P // FR, H, programs), refresh, refresh_consts)] if shape.split else []
     launch.step_launches(_mamba2_step_kernel, (P // shape.rows, H), b, shape, programs, rounds, step_args,
-                         step_consts, extra, due_work)
+                         dict(step_consts, FUSED=False, HAS_BIAS=False, SOFTPLUS=False, TREE=False, MAXD=1), extra,
+                         due_work)
     return y
