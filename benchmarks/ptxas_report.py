@@ -175,6 +175,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.batch >= launch.SPLIT_MIN_BATCH:
         launch.SPLIT_MIN_BATCH = 1  # the two recorded slots take the launches of a large batch
+    if args.batch > launch.FUSED_MAX_BATCH:
+        launch.FUSED_MAX_BATCH = 0  # ... and not the one launch of the smallest
     extra = {key: int(value) for key, _, value in (item.partition("=") for item in args.tuning)}
     launch.TUNING.update(extra)
     if not args.instructions:

@@ -65,7 +65,9 @@ PDL_SCRIPT = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
 import ptxas_report as pr
+from replayssm._triton import launch
 
+launch.FUSED_MAX_BATCH = 0  # the recorded two-slot steps take every launch of a larger batch
 for arch in ("mamba2", "gdn", "kda"):
     for kernel, args, kw in pr.record_step(arch, "s32_rs"):
         for pdl in ((False, True) if kernel.fn.__name__.endswith("scores_kernel") else (True,)):
@@ -104,3 +106,17 @@ def test_nvfp4_step_kernels_of_several_row_blocks_assemble(tmp_path):
         assert {r[0] for r in rows} == {"mamba2", "gdn"}, rows
         for arch, preset, label, kernel, regs, spills, *_ in rows:
             assert label == shape[:4] and 0 < int(regs) <= 255 and spills == "0/0", (arch, label, kernel, regs, spills)
+
+
+def test_steps_of_one_launch_assemble_without_spills(tmp_path):
+    """The smallest steps (``launch.FUSED_MAX_BATCH``), decode and verify of 2 drafts, are the step
+    launch alone, whose programs prepare their inputs and solve their refresh themselves: both
+    layer kinds fit in registers at the policy's 32 rows x 2 warps (GDN's keys' products taken 32
+    columns at a time, ``gdn.triton._gram``: a whole [16, 128] tile of keys spilled 0.5 KB)."""
+    for draft in ("1", "2"):
+        rows = [line.split() for line in _compile_for_sm90(
+            tmp_path, PTXAS_REPORT, "--arch", "mamba2,gdn", "--presets", "s32_rs", "--batch", "1", "--draft",
+            draft).splitlines()[1:]]
+        assert [r[3] for r in rows] == ["_mamba2_step_kernel", "_gdn_step_kernel"], rows
+        for arch, preset, shape, kernel, regs, spills, *_ in rows:
+            assert shape == "32x2" and 0 < int(regs) <= 255 and spills == "0/0", (arch, draft, shape, regs, spills)

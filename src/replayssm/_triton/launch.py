@@ -573,7 +573,8 @@ SIDE_STREAM_ARCHS = ("gdn",)  # Mamba-2's slots due beside at batch 8-32 ran slo
 #: 9.6 -> 11.8; at batch 8 and 32 far slower, since every program repeats its head's shared work
 #: and the refresh branch sets every program's registers). Two warps, not four: GDN's refresh
 #: solved by a 4-warp program gave other anchor bits than the solve launch on the GPU (max 2.4e-7,
-#: ``benchmarks/refresh_bits.py``), by a 2-warp one the same.
+#: ``benchmarks/refresh_bits.py``), by a 2-warp one the same. (Timed while GDN's in-program solve
+#: still held a whole [16, 128] tile of keys, spilling 0.5 KB; ``gdn.triton._gram`` since: none.)
 FUSED_MAX_BATCH = 2
 FUSED_MAX_T = 2
 FUSED_SHAPE = dict(rows=32, warps=2, fused=True)

@@ -189,6 +189,20 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bks_ptr, k
 
 
 @triton.jit
+def _gram(bk_ptr, bks_ptr, row, khead, h, HK, DK: tl.constexpr, DKP: tl.constexpr, L: tl.constexpr,
+          LP: tl.constexpr):
+    """k_j . k_i [LP, LP] of the h committed keys (``window.window_keys``), 32 columns at a time
+    into one accumulator: IEEE products accumulate over the columns in order either way, and a
+    [LP, DK] tile of keys and its transpose held at once made a step of one launch spill."""
+    KCH: tl.constexpr = 32 if DKP >= 32 else DKP
+    gram = tl.zeros((LP, LP), tl.float32)
+    for c in tl.static_range(DKP // KCH):
+        K_c = window_keys(bk_ptr, bks_ptr, row, khead, h, c * KCH + tl.arange(0, KCH), HK, DK, L, LP)
+        gram = tl.dot(K_c, tl.trans(K_c), gram, input_precision="ieee")
+    return gram
+
+
+@triton.jit
 def _gdn_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bks_ptr, bg_ptr, bbeta_ptr, tinv_ptr, decays_ptr, HK, HV,
                       L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, RATIO: tl.constexpr,
                       RP: tl.constexpr, SQUARINGS: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
@@ -200,7 +214,6 @@ def _gdn_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bks_ptr, bg_ptr, 
     the anchor's bits independent of both."""
     after_previous_launch(PDL)
     khead, c = tl.program_id(0), tl.program_id(1)
-    ck = tl.arange(0, DKP)
     j = tl.arange(0, LP)
     vh = khead * RATIO + tl.arange(0, RP)  # the key head's value heads (``mine``: the real ones)
     mine = tl.arange(0, RP) < RATIO
@@ -209,8 +222,7 @@ def _gdn_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bks_ptr, bg_ptr, 
         r = c + it * tl.num_programs(1)
         if r < count:
             pid_b, row, h = due_slot(due_ptr, slots_ptr, cursors_ptr, r)
-            K_c = window_keys(bk_ptr, bks_ptr, row, khead, h, ck, HK, DK, L, LP)
-            gram = tl.dot(K_c, tl.trans(K_c), input_precision="ieee")  # k_j . k_i
+            gram = _gram(bk_ptr, bks_ptr, row, khead, h, HK, DK, DKP, L, LP)
             X, ec, es, total = _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L, LP, SQUARINGS)
             base = (pid_b * HV + vh) * LP  # [RP]
             tl.store(tinv_ptr + (base[:, None, None] + j[None, None, :]) * LP + j[None, :, None], X,
@@ -237,8 +249,7 @@ def _solve_here(bk_ptr, bks_ptr, bg_ptr, bbeta_ptr, row, khead, head, h, HK, HV,
     """What ``_solved`` loads, computed by the refreshing program itself (a step of one launch,
     ``StepShape.fused``) for its value head, by the solve launch's operations: the same bits
     (``_residual_inverses`` sums in products, whose order no layout changes)."""
-    K_c = window_keys(bk_ptr, bks_ptr, row, khead, h, tl.arange(0, DKP), HK, DK, L, LP)
-    gram = tl.dot(K_c, tl.trans(K_c), input_precision="ieee")  # k_j . k_i
+    gram = _gram(bk_ptr, bks_ptr, row, khead, h, HK, DK, DKP, L, LP)
     vh = head + tl.arange(0, 1)  # one head
     X, ec, es, total = _residual_inverses(bg_ptr, bbeta_ptr, row, vh, vh >= 0, h, gram, HV, L, LP, SQUARINGS)
     return tl.trans(tl.reshape(X, (LP, LP))), tl.reshape(ec, (LP,)), tl.reshape(es, (LP,)), tl.sum(total, 0)
