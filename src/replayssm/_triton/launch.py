@@ -573,8 +573,14 @@ SIDE_STREAM_ARCHS = ("gdn",)  # Mamba-2's slots due beside at batch 8-32 ran slo
 #: 9.6 -> 11.8; at batch 8 and 32 far slower, since every program repeats its head's shared work
 #: and the refresh branch sets every program's registers). Two warps, not four: GDN's refresh
 #: solved by a 4-warp program gave other anchor bits than the solve launch on the GPU (max 2.4e-7,
-#: ``benchmarks/refresh_bits.py``), by a 2-warp one the same. (Timed while GDN's in-program solve
-#: still held a whole [16, 128] tile of keys, spilling 0.5 KB; ``gdn.triton._gram`` since: none.)
+#: ``benchmarks/refresh_bits.py``), by a 2-warp one the same. Those figures were timed while GDN's
+#: in-program solve held a whole [16, 128] tile of keys (0.5 KB of spills); with ``gdn.triton._gram``
+#: (none), H100, one run, batch 1, launches -> one launch: decode GDN s32_rs 7.6 -> 6.7, tp16_hi32
+#: 7.8 -> 7.0, Mamba-2 5.9 -> 5.6, 5.8 -> 5.3; verify of 2 drafts GDN 17.7 -> 17.4, Mamba-2 14.8 ->
+#: 13.7; the anchors the same bits as the launches' (decode and verify, both layer kinds). Verify
+#: of 4 drafts keeps the launches (H100, one run): batch 1 GDN s32_rs 26.3 -> 31.5 (row reductions
+#: in place of the launches' tensor-core products), Mamba-2 19.5 -> 18.9 at 4 warps, but batch 2
+#: 22.4 -> 29.1.
 FUSED_MAX_BATCH = 2
 FUSED_MAX_T = 2
 FUSED_SHAPE = dict(rows=32, warps=2, fused=True)
