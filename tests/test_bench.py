@@ -468,3 +468,25 @@ def test_tree_sweep_rows(tmp_path, monkeypatch, capsys):
     text = "\n".join(report.tree_lines(report.Table(report.merge([report.load(str(tmp_path / "bench.json"))]))))
     assert "## Tree verify + accept" in text and "Gated DeltaNet 8 drafts `s32_rs` 1.0e-08" in text
     assert "| Gated DeltaNet | 8 (path of 3) | 256 | 30.0 | 6.0 (5.00) | 5.0 (6.00) |" in text
+
+
+def test_same_run_section_lists_every_measurement_since(tmp_path):
+    """``report.same_run_section`` with figures measured again since the same-run comparison: one
+    measurement or a list of them, each a section of its own with its commit, GPU and columns;
+    README lines only for the ones that ask for them."""
+    import json
+
+    from replayssm.bench import report
+
+    row = dict(arch="gdn", model="m", step="decode", preset="s32_rs", us=6.7, before=7.6)
+    first = dict(commit="aaaaaaa", gpu="GPU A", how="first.", rows=[row])
+    second = dict(commit="bbbbbbb", gpu="GPU B", how="second.", rows=[dict(row, us=5.0)], batch=1, readme=False,
+                  columns=["µs, one launch", "µs, the launches"])
+    for measured, sections in ((first, 1), ([first, second], 2)):
+        path = tmp_path / "latest.json"
+        path.write_text(json.dumps(measured))
+        md, readme = report.same_run_section("docs/bench/peers.json", str(path))
+        assert md.count("### Measured again at commit") == sections
+        assert "`aaaaaaa` (GPU A)" in md and "| 6.7 | 7.6 |" in md
+        assert readme.count("measured again at `aaaaaaa`") == 1 and "bbbbbbb" not in readme
+    assert "`bbbbbbb` (GPU B)" in md and "µs, one launch" in md and "| 5.0 | 7.6 |" in md

@@ -14,6 +14,7 @@ commits each table's rows come from.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -581,8 +582,10 @@ def _outputs(ap):
 
 def same_run_section(peers_json: str, latest_json: str = "") -> tuple[str, str]:
     """(BENCHMARKS.md section, README table) from the same-run comparison's JSON (``bench.peers``)
-    and, if given, the figures measured again since (``latest_json``: {"commit", "gpu", "how",
-    "rows": [{"arch", "model", "step", "preset", "us", "before"}]})."""
+    and, if given, the figures measured again since (``latest_json``: one measurement or a list of
+    them, each {"commit", "gpu", "how", "rows": [{"arch", "model", "step", "preset", "us",
+    "before"}], optionally "columns": the two time columns' names, "batch": the batch, 256 if
+    none, "readme": false to leave it out of the README's lines})."""
     from . import peers
 
     rep = peers.load(peers_json)
@@ -599,17 +602,18 @@ def same_run_section(peers_json: str, latest_json: str = "") -> tuple[str, str]:
                       "(`benchmarks/h200.py --parts correct,graph`).")
             if rep.get("command") else ""), "", peers.tables(rep)]
     readme = peers.headline(rep)
-    if latest_json:
-        with open(latest_json) as f:
-            latest = json.load(f)
+    with open(latest_json) if latest_json else contextlib.nullcontext() as f:
+        measured = json.load(f) if latest_json else []
+    for latest in measured if isinstance(measured, list) else [measured]:
         rows = [[r["arch"], r["model"], r["step"], f"`{r['preset']}`", f"{r['us']:.1f}",
                  "–" if r.get("before") is None else f"{r['before']:.1f}"] for r in latest["rows"]]
-        L += ["", f"### Measured again at commit `{latest['commit']}`", "", latest["how"], "",
-              "\n".join(_md(["layer", "model", "step", "kernel", "µs now", "µs in the run above"], rows))]
+        columns = latest.get("columns", ["µs now", "µs in the run above"])
+        L += ["", f"### Measured again at commit `{latest['commit']}` ({latest['gpu']})", "", latest["how"], "",
+              "\n".join(_md(["layer", "model", "step", "kernel", *columns], rows))]
         gdn = [f"`{r['preset']}` {r['step']} {r['us']:.0f} µs" for r in latest["rows"] if r["arch"] == "gdn"]
-        if gdn:
-            readme += (f"\nGated DeltaNet measured again at `{latest['commit']}` (same method, batch 256, staggered): "
-                       + ", ".join(gdn) + ".\n")
+        if gdn and latest.get("readme", True):
+            readme += (f"\nGated DeltaNet measured again at `{latest['commit']}` (same method, batch "
+                       f"{latest.get('batch', 256)}, staggered, {latest['gpu']}): " + ", ".join(gdn) + ".\n")
     return "\n".join(L) + "\n", readme
 
 
