@@ -7,7 +7,9 @@ and ``_mamba2_step_kernel`` (one program per block of state rows, head and batch
 batch row's programs also writes the shared buffer fields and moves the cursors,
 ``launch.advance_row``). Where the launch policy puts the slots due beside the others
 (``launch.StepShape.beside``), a step launch over them only runs on a side stream beside the step
-launch over the other slots (after their refresh launch, where the shape splits it).
+launch over the other slots (after their refresh launch, where the shape splits it). The smallest
+steps are one launch (``launch.StepShape.fused``): each step program does the scores launch's work
+for its own head (``_prepared_tokens``) and computes its refresh's fold weights itself.
 
 A program whose slot's committed history plus the T new tokens overflows the window first folds
 the committed entries into a new checkpoint from the anchor,
