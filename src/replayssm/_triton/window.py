@@ -193,3 +193,33 @@ def draft_paths(anc, h, s: tl.constexpr, LP: tl.constexpr, TREE: tl.constexpr):
     ``decay.path_decays``; ``anc``: ``ancestor_bits``' vector (0 for a chain)."""
     bits = draft_bits(anc, s, TREE)
     return draft_view(bits, h, s, LP, TREE), draft_view(bits, h - 1, s, LP, TREE)
+
+
+@triton.jit
+def new_key_query(k_ptr, skb, skt, skh, ske, q_ptr, sqb, sqt, sqh, sqe, pid_b, s, head, ck, DK: tl.constexpr,
+                  STORED: tl.constexpr, NORM: tl.constexpr):
+    """New token s's key and query of key head ``head``, columns ``ck`` (zero from DK on), from the
+    caller's k, q [b, T, heads, DK] of strides sk*, sq*: (k as the buffer of dtype STORED will hold
+    it, fp32; its normalizing factor, 1/sqrt(k . k + 1e-6) when NORM, else 1; q fp32, L2-normalized
+    when NORM). The key is taken from the value the buffer holds, so a replay
+    (``window_keys``) gives the same k_scale * k bit for bit."""
+    cols = within(ck, DK)
+    k = tl.load(k_ptr + pid_b * skb + s * skt + head * skh + ck * ske, mask=cols, other=0.0)
+    k = as_stored(k, STORED).to(tl.float32)
+    q = tl.load(q_ptr + pid_b * sqb + s * sqt + head * sqh + ck * sqe, mask=cols, other=0.0).to(tl.float32)
+    if NORM:
+        return k, 1.0 / tl.sqrt(tl.sum(k * k, 0) + 1e-6), q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
+    return k, 1.0, q
+
+
+@triton.jit
+def fused_item(slots_ptr, committed_ptr, parents_ptr, gaps_ptr, c, first, SCRATCH, T: tl.constexpr, L: tl.constexpr,
+               TREE: tl.constexpr, MAXD: tl.constexpr):
+    """(valid, storage row, committed count h, refresh due) of batch row c in a step of one launch,
+    read from the committed counts themselves (the row's last program advances them); the
+    ``first`` program of the row also stores its draft tree (TREE, ``pending_tree``)."""
+    valid, row, h, need = slot_cursor(slots_ptr, committed_ptr, c, SCRATCH, T, L)
+    if TREE:
+        if first:
+            pending_tree(parents_ptr, gaps_ptr, c, valid, row, T, MAXD)
+    return valid, row, h, need

@@ -48,8 +48,8 @@ from .._triton import launch
 from .._triton.launch import advance_row, after_previous_launch
 from .._triton.solve import unit_lower_inverse
 from .._triton.decay import ordered_row_sums, path_decays, softplus
-from .._triton.window import (ancestor_bits, draft_paths, due_slot, head_window, list_due, pending_tree, slot_cursor,
-                              step_item, window_keys)
+from .._triton.window import (ancestor_bits, draft_paths, due_slot, fused_item, head_window, list_due,
+                              new_key_query, pending_tree, slot_cursor, step_item, window_keys)
 from .._triton.formats import (as_query, as_stored, column, global_scale_index, load_query, load_read, load_tile, matvec,
                                pin_vector_width, products_on_tensor_cores, read_copy_from_anchor, streamed_products,
                                within, write_checkpoint)
@@ -159,15 +159,8 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bks_ptr, k
     keys, queries = (), ()
     for s in tl.static_range(T):
         at = ((pid_b * T + s) * HK + khead) * DK + ck
-        # the key as the buffer will hold it, so that a replay (``window.window_keys``) gives it back
-        k = tl.load(k_ptr + pid_b * skb + s * skt + khead * skh + ck * ske, mask=cols, other=0.0)
-        k = as_stored(k, bk_ptr.dtype.element_ty).to(tl.float32)
-        q = tl.load(q_ptr + pid_b * sqb + s * sqt + khead * sqh + ck * sqe, mask=cols, other=0.0).to(tl.float32)
-        if NORM:
-            k_scale = 1.0 / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
-            q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
-        else:
-            k_scale = 1.0
+        k, k_scale, q = new_key_query(k_ptr, skb, skt, skh, ske, q_ptr, sqb, sqt, sqh, sqe, pid_b, s, khead, ck, DK,
+                                      bk_ptr.dtype.element_ty, NORM)
         k = k * k_scale
         q = q * scale
         tl.store(kn_ptr + at, k, mask=cols)
@@ -386,7 +379,6 @@ def _prepared_tokens(q_ptr, sqb, sqt, sqh, sqe, k_ptr, skb, skt, skh, ske, v_ptr
     head of each key head), and with GATE the gates into gn, betan [b, T, HV] fp32."""
     j = tl.arange(0, LP)
     ck = tl.arange(0, DKP)
-    cols = within(ck, DK)
     vh = head + tl.arange(0, 1)  # the program's value head, as a batch of one for the window helpers
     writer = pid_v == 0
     gates, betas, keys, queries = (), (), (), ()
@@ -403,15 +395,8 @@ def _prepared_tokens(q_ptr, sqb, sqt, sqh, sqe, k_ptr, skb, skt, skh, ske, v_ptr
         else:
             gate = tl.load(g_ptr + pid_b * sgb + s * sgt + vh * sgh).to(tl.float32)
             beta = tl.load(beta_ptr + pid_b * sbb + s * sbt + head * sbh)
-        # the key as the buffer will hold it (``window.window_keys`` gives it back bit for bit)
-        k = tl.load(k_ptr + pid_b * skb + s * skt + khead * skh + ck * ske, mask=cols, other=0.0)
-        k = as_stored(k, bk_ptr.dtype.element_ty).to(tl.float32)
-        q = tl.load(q_ptr + pid_b * sqb + s * sqt + khead * sqh + ck * sqe, mask=cols, other=0.0).to(tl.float32)
-        if NORM:
-            k_scale = 1.0 / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
-            q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
-        else:
-            k_scale = 1.0
+        k, k_scale, q = new_key_query(k_ptr, skb, skt, skh, ske, q_ptr, sqb, sqt, sqh, sqe, pid_b, s, khead, ck, DK,
+                                      bk_ptr.dtype.element_ty, NORM)
         tl.store(ks_ptr + tok * HK + khead, k_scale, mask=writer & (head % (HV // HK) == 0))
         gates = gates + (gate,)
         betas = betas + (beta,)
@@ -574,10 +559,8 @@ def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, de
     for it in tl.range(0, ROUNDS, num_stages=1):  # a constant trip count: the interpreter needs one
         if FUSED:
             pid_b, active = c, True
-            valid, row, h, need = slot_cursor(slots_ptr, committed_ptr, c, SCRATCH, T, L)
-            if TREE:
-                if (pid_v == 0) & (head == 0):
-                    pending_tree(parents_ptr, gaps_ptr, c, valid, row, T, MAXD)
+            valid, row, h, need = fused_item(slots_ptr, committed_ptr, parents_ptr, gaps_ptr, c,
+                                             (pid_v == 0) & (head == 0), SCRATCH, T, L, TREE, MAXD)
         else:
             active, pid_b, valid, row, h, need = step_item(due_ptr, slots_ptr, cursors_ptr, c, it, count, SCRATCH, T,
                                                            L, DUE)

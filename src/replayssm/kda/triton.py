@@ -46,7 +46,6 @@ import triton.language as tl
 
 from .._triton import launch
 from .._triton.formats import (
-    as_stored,
     column,
     global_scale_index,
     load_read,
@@ -61,8 +60,8 @@ from .._triton.formats import (
 )
 from .._triton.launch import advance_row, after_previous_launch
 from .._triton.solve import unit_lower_inverse
-from .._triton.window import (ancestor_bits, draft_bits, draft_view, due_slot, list_due, pending_tree, slot_cursor,
-                              slot_row, step_cursor, window_keys, window_rows)
+from .._triton.window import (ancestor_bits, draft_bits, draft_view, due_slot, list_due, new_key_query, pending_tree,
+                              slot_cursor, slot_row, step_cursor, window_keys, window_rows)
 from ..gdn.triton import (
     SOLVE_WARPS,
     _token_loads,  # the new tokens' inputs, laid out per value head as GDN's per key head
@@ -151,14 +150,8 @@ def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bks_ptr, b
     cols = within(ck, DK)
     for s in tl.static_range(T):
         at = ((pid_b * T + s) * HK + khead) * DK + ck
-        k = tl.load(k_ptr + pid_b * skb + s * skt + khead * skh + ck * ske, mask=cols, other=0.0)
-        k = as_stored(k, bk_ptr.dtype.element_ty).to(tl.float32)  # as the buffer will hold it
-        q = tl.load(q_ptr + pid_b * sqb + s * sqt + khead * sqh + ck * sqe, mask=cols, other=0.0).to(tl.float32)
-        if NORM:
-            k_scale = 1.0 / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
-            q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
-        else:
-            k_scale = 1.0
+        k, k_scale, q = new_key_query(k_ptr, skb, skt, skh, ske, q_ptr, sqb, sqt, sqh, sqe, pid_b, s, khead, ck, DK,
+                                      bk_ptr.dtype.element_ty, NORM)
         tl.store(kn_ptr + at, k * k_scale, mask=cols)
         tl.store(ks_ptr + (pid_b * T + s) * HK + khead, k_scale)
         tl.store(qn_ptr + at, q * scale, mask=cols)

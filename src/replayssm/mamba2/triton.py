@@ -37,8 +37,8 @@ import triton.language as tl
 from .._triton import launch
 from .._triton.launch import advance_row, after_previous_launch
 from .._triton.decay import ordered_row_sums, path_decays, softplus
-from .._triton.window import (ancestor_bits, draft_paths, due_slot, head_window, list_due, pending_tree, slot_cursor,
-                              step_item, window_rows)
+from .._triton.window import (ancestor_bits, draft_paths, due_slot, fused_item, head_window, list_due, pending_tree,
+                              slot_cursor, step_item, window_rows)
 from .._triton.formats import (as_query, column, global_scale_index, load_query, load_read, load_tile, matvec,
                                pin_vector_width, read_copy_from_anchor, streamed_products, within, write_checkpoint)
 
@@ -195,6 +195,21 @@ def _mamba2_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w
 
 
 @triton.jit
+def _skip_and_gate(x_ptr, sxb, sxt, sxh, sxe, D_ptr, sD, z_ptr, szb, szt, szh, sze, pid_b, s, head, rv,
+                   HAS_D: tl.constexpr, HAS_Z: tl.constexpr):
+    """(D, x_s [BV], z_s [BV]) of token s for the skip term D x_s and the gate z_s, fp32, zero where
+    not used; the caller's x, D, z read through their strides."""
+    D, xq, zq = 0.0, 0.0, 0.0
+    if HAS_D:
+        D = tl.load(D_ptr + head * sD).to(tl.float32)
+    if HAS_D or HAS_Z:
+        xq = tl.load(x_ptr + pid_b * sxb + s * sxt + head * sxh + rv * sxe).to(tl.float32)
+    if HAS_Z:
+        zq = tl.load(z_ptr + pid_b * szb + s * szt + head * szh + rv * sze).to(tl.float32)
+    return D, xq, zq
+
+
+@triton.jit
 def _token_loads(x_ptr, sxb, sxt, sxh, sxe, C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD, z_ptr, szb, szt, szh, sze,
                  scores_ptr, gammas_ptr, pid_b, head, group, rv, H, G, T: tl.constexpr, LP: tl.constexpr,
                  DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, R_FMT: tl.constexpr, HAS_D: tl.constexpr,
@@ -208,13 +223,8 @@ def _token_loads(x_ptr, sxb, sxt, sxh, sxe, C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD
         qa, qb = 0.0, 0.0
         if not OUTPUT_DOT:
             qa, qb = load_query(C_ptr + pid_b * sCb + s * sCt + group * sCh, sCe, DK, DKP, R_FMT)
-        D, xq, zq = 0.0, 0.0, 0.0
-        if HAS_D:
-            D = tl.load(D_ptr + head * sD).to(tl.float32)
-        if HAS_D or HAS_Z:
-            xq = tl.load(x_ptr + pid_b * sxb + s * sxt + head * sxh + rv * sxe).to(tl.float32)
-        if HAS_Z:
-            zq = tl.load(z_ptr + pid_b * szb + s * szt + head * szh + rv * sze).to(tl.float32)
+        D, xq, zq = _skip_and_gate(x_ptr, sxb, sxt, sxh, sxe, D_ptr, sD, z_ptr, szb, szt, szh, sze, pid_b, s, head, rv,
+                                   HAS_D, HAS_Z)
         at = (pid_b * H + head) * T + s
         tokens_in = tokens_in + ((tl.load(scores_ptr + at * LP + tl.arange(0, LP)), tl.load(gammas_ptr + at), qa, qb,
                                   D, xq, zq),)
@@ -262,13 +272,8 @@ def _prepared_tokens(B_ptr, sBb, sBt, sBh, sBe, C_ptr, sCb, sCt, sCh, sCe, dt_pt
         decay, gamma = path_decays(LA, LA_next, path, path_next)
         w = tl.sum(decay * DT, 0) * tl.sum(K * q[None, :], 1)  # [LP]: the one head's
         qa, qb = as_query(q, R_FMT)
-        D, xq, zq = 0.0, 0.0, 0.0
-        if HAS_D:
-            D = tl.load(D_ptr + head * sD).to(tl.float32)
-        if HAS_D or HAS_Z:
-            xq = tl.load(x_ptr + pid_b * sxb + s * sxt + head * sxh + rv * sxe).to(tl.float32)
-        if HAS_Z:
-            zq = tl.load(z_ptr + pid_b * szb + s * szt + head * szh + rv * sze).to(tl.float32)
+        D, xq, zq = _skip_and_gate(x_ptr, sxb, sxt, sxh, sxe, D_ptr, sD, z_ptr, szb, szt, szh, sze, pid_b, s, head, rv,
+                                   HAS_D, HAS_Z)
         tokens_in = tokens_in + ((w, tl.sum(gamma, 0), qa, qb, D, xq, zq),)
     return tokens_in
 
@@ -401,10 +406,8 @@ def _mamba2_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_pt
     for it in tl.range(0, ROUNDS, num_stages=1):  # a constant trip count: the interpreter needs one
         if FUSED:
             pid_b, active = c, True
-            valid, row, h, need = slot_cursor(slots_ptr, committed_ptr, c, SCRATCH, T, L)
-            if TREE:
-                if (pid_v == 0) & (head == 0):
-                    pending_tree(parents_ptr, gaps_ptr, c, valid, row, T, MAXD)
+            valid, row, h, need = fused_item(slots_ptr, committed_ptr, parents_ptr, gaps_ptr, c,
+                                             (pid_v == 0) & (head == 0), SCRATCH, T, L, TREE, MAXD)
         else:
             active, pid_b, valid, row, h, need = step_item(due_ptr, slots_ptr, cursors_ptr, c, it, count, SCRATCH, T,
                                                            L, DUE)
