@@ -10,7 +10,8 @@ and longest single launch (in aligned windows the shortest refresh launch is one
 Each argument is ``arch:preset[:mode[:shape[:T]]]``, as for ``profile_steps.py`` (the ncu
 driver, which runs its own small setup): preset ``conv`` = our conventional kernel; mode
 staggered (the default), aligned or refresh; shape a ``launch.parse_shape`` label, empty for the
-tables' shapes; T > 1: verify rounds of T drafts, all accepted. Batch 256 unless ``--batch``.
+tables' shapes; T > 1: verify rounds of T drafts, all accepted. Batch 256 unless ``--batch``; the
+layer kind's default model unless ``--model``.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("configs", nargs="+", metavar="ARCH:PRESET[:MODE[:SHAPE[:T]]]")
     ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--model", default="", help="a geometry name of replayssm.geometry (default: the layer kind's)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("profile_kernels: needs a CUDA GPU (none found)", file=sys.stderr)
@@ -63,7 +65,7 @@ def main(argv=None):
         launch.TUNING.update(launch.parse_shape(label) if label else {})
         found.clear()
         try:
-            measure.bench_one(Problem(arch, GEOMETRIES[DEFAULT_MODEL[arch]].geometry, args.batch, T),
+            measure.bench_one(Problem(arch, GEOMETRIES[args.model or DEFAULT_MODEL[arch]].geometry, args.batch, T),
                               None if preset == "conv" else preset, mode)
         finally:
             launch.TUNING.clear()
