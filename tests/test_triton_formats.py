@@ -205,3 +205,30 @@ def test_grid_round_matches_torch_on_ties_subnormals_and_limits(grid, rounding):
         away = formats._round_grid(x, M + 1, emin, maxv, None).float()  # the ties on the finer grid
         tie = (away == x) & (formats._round_grid(x, M, emin, maxv, None).float() != x)
         assert ((want.abs() < x.abs()) & tie).sum() >= 8
+
+
+@triton.jit
+def _random_bits_kernel(base_ptr, seed_ptr, stream_ptr, out_ptr, SPAN: tl.constexpr):
+    i = tl.program_id(0)
+    offset = tl.arange(0, SPAN).to(tl.uint32)
+    bits = tf.random_u32(tl.load(seed_ptr + i), tl.load(stream_ptr + i), tl.load(base_ptr + i), offset, SPAN)
+    tl.store(out_ptr + i * SPAN + offset, bits.to(tl.int64))
+
+
+def test_kernel_random_bits_match_torch_across_the_high_word():
+    """``random_u32`` (the seed's and stream's mixes scalar, one 32-bit mix per element) against
+    ``formats.random_bits`` on ranges that start below and end above a multiple of 2**32, so that
+    some elements take the carry into the high word, with fresh 64-bit seeds and streams."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    span = 256
+    starts = torch.tensor([0, 2**32 - 100, 5 * 2**32 - 1, 2**40 - span // 2, 2**32 + 7])
+    seeds = torch.randint(-2**62, 2**62, starts.shape, generator=g)
+    streams = torch.randint(0, 2**40, starts.shape, generator=g)
+    got = torch.empty(len(starts), span, dtype=torch.int64)
+    _launch(_random_bits_kernel, (len(starts),), starts, seeds, streams, got, span)
+    want = formats.random_bits(seeds[:, None], streams[:, None], starts[:, None] + torch.arange(span))
+    assert torch.equal(got, want)
+    # teeth: without the carry, the elements past each multiple of 2**32 would differ
+    wrong = formats.random_bits(seeds[:, None], streams[:, None],
+                                (starts[:, None] >> 32 << 32) + ((starts[:, None] + torch.arange(span)) & 0xFFFFFFFF))
+    assert (wrong != want).sum() >= span // 2

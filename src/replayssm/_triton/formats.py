@@ -26,7 +26,6 @@ import triton.language as tl
 INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 FMT_IDS = {"fp32": 0, "fp16": 1, "bf16": 2, "fp8_e4m3": 3, "nvfp4": 4}
-M32 = 0xFFFFFFFF
 
 
 @triton.constexpr_function
@@ -62,26 +61,39 @@ def within(idx, N: tl.constexpr):
 
 @triton.jit
 def _mix(x):
-    """lowbias32 on int64 lanes holding uint32 values (the product wraps; low 32 bits are kept)."""
+    """lowbias32 on uint32 lanes (the products wrap mod 2**32)."""
     x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x * 0x7FEB352D
     x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    x = x * 0x846CA68B
     x = x ^ (x >> 16)
     return x
 
 
 @triton.jit
-def random_u32(seed, stream, offset):
-    """``formats.random_bits`` bit for bit: int64 seed/stream/offset -> int64 in [0, 2**32)."""
-    seed, stream, offset = seed.to(tl.int64), stream.to(tl.int64), offset.to(tl.int64)
-    h = _mix(((seed >> 32) & 0xFFFFFFFF) ^ 0x9E3779B9)
-    h = _mix(h ^ (seed & 0xFFFFFFFF))
-    h = _mix(h ^ ((stream >> 32) & 0xFFFFFFFF))
-    h = _mix(h ^ (stream & 0xFFFFFFFF))
-    h = _mix(h ^ ((offset >> 32) & 0xFFFFFFFF))
-    h = _mix(h ^ (offset & 0xFFFFFFFF))
-    return h
+def _u32(x):
+    """The low 32 bits of int64 x, as uint32."""
+    return (x & 0xFFFFFFFF).to(tl.uint32)
+
+
+@triton.jit
+def random_u32(seed, stream, base, offset, SPAN: tl.constexpr):
+    """``formats.random_bits(seed, stream, base + offset)`` bit for bit, as uint32: scalar seed,
+    stream and base, uint32 offsets [...] below SPAN <= 2**32. The mixes of seed and stream are
+    scalar, and so are those of the elements' high words, which are hi32(base) or the next one (a
+    carry out of the low word): one mix per element, on 32-bit lanes, where the definition has six
+    on 64-bit ones."""
+    tl.static_assert(SPAN <= 2**32)
+    seed, stream, base = seed.to(tl.int64), stream.to(tl.int64), base.to(tl.int64)
+    h = _mix(_u32(seed >> 32) ^ 0x9E3779B9)
+    h = _mix(h ^ _u32(seed))
+    h = _mix(h ^ _u32(stream >> 32))
+    h = _mix(h ^ _u32(stream))
+    hi = base >> 32
+    within_hi = _mix(h ^ _u32(hi))
+    next_hi = _mix(h ^ _u32(hi + 1))
+    lo = _u32(base) + offset  # the low word of base + offset (wraps)
+    return _mix(tl.where(lo < _u32(base), next_hi, within_hi) ^ lo)
 
 
 @triton.jit
@@ -243,10 +255,11 @@ def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
     W: tl.constexpr = stored_width(DK, FMT)
     row = mat * DV + rv[:, None]
     S = tl.where(within(ck, DK)[None, :], S, 0.0)  # exact zeros, as replayssm.formats pads
-    r24 = tl.zeros((BV, BK), dtype=tl.int64)
-    if SR:
-        offset = (head.to(tl.int64) * DV + rv[:, None]) * DK + ck[None, :]  # logical, not the storage row
-        r24 = (random_u32(seed, stream, offset) >> 8) & 0xFFFFFF
+    r24 = tl.zeros((BV, BK), dtype=tl.int32)
+    if SR:  # keyed by the logical element index (head, row, column), not the storage row
+        base = head.to(tl.int64) * (DV * DK)
+        offset = rv[:, None].to(tl.uint32) * DK + ck[None, :].to(tl.uint32)
+        r24 = (random_u32(seed, stream, base, offset, DV * DK) >> 8).to(tl.int32)
     if FMT == 0:
         tl.store(v_ptr + row * DK + ck[None, :], S, mask=within(ck, DK)[None, :])
     elif FMT <= 2:
