@@ -34,6 +34,8 @@ def main():
     ap.add_argument("--conv-shapes", default="8x1,16x1")
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--arch", default="mamba2,gdn")
+    ap.add_argument("--model", action="append", default=[], metavar="ARCH=NAME",
+                    help="a geometry of replayssm.geometry in place of the layer kind's, e.g. gdn=qwen3-next")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--check-shapes", default="", metavar="LABELS",
                     help="also run the checks under these launch.parse_shape labels (Mamba-2 labels, then GDN "
@@ -47,7 +49,7 @@ def main():
     out = {"rows": [], "checks": []}
     t0 = time.time()
     for arch in args.arch.split(","):
-        dims = suite.GEOMETRIES[GEO[arch]][1]
+        dims = suite.GEOMETRIES[dict(GEO, **dict(m.split("=") for m in args.model))[arch]][1]
         labels = args.check_shapes.split(";")[0 if arch == "mamba2" else -1] if args.check_shapes else ""
         for label in ([] if args.skip_check else ["default"]) + [x for x in labels.split(",") if x]:
             launch.TUNING.clear()

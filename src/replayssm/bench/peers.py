@@ -142,6 +142,9 @@ def tables(report: dict) -> str:
                 parts.append(f"### {title}, {model}: {what}\n\n" + _md(head, rows))
     note = ("µs per step (per round for verify) · × = the vLLM conventional kernel's time / this one's. "
             f"GPU: {env.get('gpu', '?')}, torch {env.get('torch', '?')}, triton {env.get('triton', '?')}.")
+    copy = report.get("hbm", {}).get("d2d_copy_4GiB", {}).get("GBps")
+    if copy:  # what a kernel that reads and writes every byte once can reach on this GPU
+        note += f" The GPU's copy ceiling in the same run: {copy / 1000:.2f} TB/s (a 4 GiB device-to-device copy)."
     return "\n\n".join(parts) + "\n\n" + note + "\n"
 
 
