@@ -438,76 +438,36 @@ class StepShape(NamedTuple):
 
 #: Step shapes by (architecture, read format): entries (least draft length, fields of StepShape that
 #: differ from ``BASE_SHAPE``), by increasing least length; a step of T tokens takes the last entry
-#: whose least length is <= T. Each is the fastest measured on an H200 at batch 256, staggered
-#: windows, real geometries, in one sweep of branch / launch x fold pipeline stages x refresh warps
-#: x a register cap (us per step or round, the entry's figure first):
+#: whose least length is <= T. Each entry was the fastest of sweeps on an H200 at batch 256
+#: (``benchmarks/sweep_shapes.py``: staggered windows, real geometries), us per step or verify round
+#: of 4 drafts, the entry's figure first:
 #:
-#: - the refresh a branch of the step: Mamba-2 decode from fp32 (309.1 against 351.6 as a launch)
-#:   and 2-byte read copies (229.4 with a 168-register cap, 235.0 without, 236.3 as a launch);
-#: - a launch of its own everywhere else: GDN decode s32_rs 422.3 (branch 443.9), tp16_hi32 375.5
-#:   (393.7), tp8_hi32 340.2 (379.3), tp4_hi32 576.0 (686.8); Mamba-2 tp8_hi32 222.1 (238.5),
-#:   tp4_hi32 400.9 with 4-warp refresh programs (431.5); verify of T = 4: Mamba-2 s32_rs 643.3
-#:   (652.8), tp16_hi32 569.7 (593.3), GDN tp16_hi32 853.5 (900.2);
-#: - 3 fold stages in flight beat 2 in a launch, 2 beat 1 in a branch (GDN decode 443.9 / 466.0);
-#: - GDN's refresh launch, which lists only the slots due, with a register cap (its loop over them
-#:   took 218 registers): decode s32_rs 390.2 with 128 (168: 391.2, none: 407.4), tp8_hi32 303.5
-#:   (306.7, 323.6), tp16_hi32 341.5 with 168 (128: 344.0); verify of T = 4 s32_rs 806.5 with 128
-#:   (168: 813.2, the refresh a branch of the step: 829.5; the step kernel then needs 168 registers
-#:   instead of 252), tp16_hi32 836.2 with 168 (128: 852.8, none: 846.2). NVFP4 read copies take none: with a 2-byte
-#:   anchor (tp4_hi16_sr) a cap of 128 spills 1.4 KB.
-#:
-#: - the slots due on a side stream beside the other slots' step (``beside``, 2026-12): GDN decode
-#:   s32_rs 365.3 with each refresh a branch of its step (a refresh launch, then the step: 377.4; the
-#:   slots due beside after their refresh launch: 369.5; the side stream at normal priority: 367.3;
-#:   the same launches in order on one stream: 378.1; every slot refreshing: 1240.9 against 1323.0),
-#:   tp16_hi32 313.4 (332.2), verify of T = 4 tp8_hi32 904.7 after their refresh launch (928.3);
-#:   slower or no faster, so not taken: decode tp8_hi32 296.2 / 301.3 (292.2), verify of T = 4
-#:   s32_rs 803.9 (808.1), tp16_hi32 786.3 (788.3); the launch over the slots due with 2 or 4 warps
-#:   (s32_rs 388.5, 448.2) or 2 fold stages (370.5). bf16 read copies take fp16's choice (not timed).
-#: - Mamba-2's slots due beside the others (2026-12, batch 256): decode tp8_hi32 188.8 after their
-#:   refresh launch (198.7), tp16_hi32 220.0 each refresh a branch (222.2; batch 64 65.7 against 68.0);
-#:   slower, so not taken: s32_rs 325.0 / 330.7 (303.4; every slot refreshing 814.8 / 1022.0 against
-#:   718.9), verify of T = 4 s32_rs 667.1 / 671.6 (639.3), tp16_hi32 600.1 / 581.6 (568.0), tp8_hi32
-#:   668.8 / 594.2 (594.0); below batch 64 s32_rs and batch 8 and 16 tp16_hi32 (``SIDE_STREAM_ARCHS``).
-#: - GDN verify of T = 4 from fp32 takes a 168-register cap: reading the inputs through their
-#:   strides took the step kernel from 168 registers to 185 (10 warps per SM instead of 12; 831.2
-#:   against 809.5 us per round in the same-run comparisons at 7df5b4e and 6a14c21); capped, it
-#:   compiles to 164 registers, no spills, the same instruction count as before: 794.9 against 831.2
-#:   uncapped (one sweep, batch 256).
-#: - verify of T = 4 from fp32, the step kernel's shape (2026-12 sweep, us per round): Mamba-2 1 warp
-#:   639.1 (2 warps 892.4, 4 warps 888.3, 4 warps capped at 80 registers 841.6, 1 warp capped at 200
-#:   807.7; products on tensor cores, streamed: 726.8); GDN streamed products 805.0 (loaded whole
-#:   934.5, row reductions 877.3, a 128-register cap 873.6, 2 warps 862.2, 4 warps 1341.8). At 254
-#:   registers the row-reduction kernels run 8 warps per SM, and every way found to run more costs
-#:   more than it gains.
-#:
-#: - verify of T = 4 once the scores launches weigh the windows (2026-12, us per round): GDN s32_rs
-#:   694.7 with 2-warp refresh programs and 3 fold stages (4 warps 836.4, 1 warp 783.2; 2 stages
-#:   717.0, 4 stages 702.7); Mamba-2 s32_rs 603.2 (4 warps 650.9, 1 warp 600.1, 2 stages 612.0).
-#: - Mamba-2 verify steps from fp32 and 2-byte read copies refresh as a branch of the step once the
-#:   scores launch weighs the windows (2026-12, us per round, against the refresh launch): s32_rs T = 4
-#:   568.7 (606.0), T = 2 401.3 (409.5); tp16_hi32 T = 4 508.3 (544.2), T = 2 325.5 (335.5); slower
-#:   from fp8 (T = 4 574.3 against 518.4) and NVFP4 (970.0 against 901.3). GDN verify stays a launch:
-#:   s32_rs 695.0 (a branch 779.4, a branch beside the others 706.0, the launch beside 709.5).
-#: - GDN decode from 2-byte read copies pins nothing (2026-12, once the step launch advanced its
-#:   rows, us per step against a pin of 16): tp16_hi32 299.1 (313.8), tpbf16_hi32 302.9 (322.8), batch
-#:   32 46.5 (48.2), KDA tp16_hi32 289.8 (297.1). fp8 pinned nothing already (266.6 / 267.7).
-#:   Unpinned, GDN's step kernel takes 167 registers instead of 255 (sm_90a) for 96 shuffles instead of 48.
-#:   Verify of 2 drafts unpinned: 554.5 (555.6 pinned), bf16 574.6 (574.7): the same, so nothing pinned.
-#: - Mamba-2 from 2-byte read copies, unpinned (2026-12, us, against a pin of 16): decode tp16_hi32
-#:   217.3 (221.1; the same with or without the 168-register cap, so none), verify of 2 drafts
-#:   tpbf16_hi32 310.4 (333.8), tp16_hi32 309.7 (332.3), batch 32 60.7 (60.8); verify of 4 drafts
-#:   keeps the pin: 515.3 (543.5 unpinned).
-#: - GDN verify of 4 drafts from fp16, bf16 and fp8 read copies, products of exact operands
-#:   (``formats.exact_operand_products``) against 3-pass tf32 (2026-12, us per round): tp16_hi32
-#:   679.0 (697.9), tpbf16_hi32 662.4 (704.6), tp8_hi32 693.2 (755.3), batch 32 111.2 (116.4); KDA
-#:   tp16_hi32 926.2 (937.0). 64-column chunks for the 2-byte formats were slower (731.5, 725.4).
+#: - the refresh a branch of the step (``split`` off) for Mamba-2 from fp32 and 2-byte read copies
+#:   (decode s32_rs 309.1 against 351.6 as a launch, verify s32_rs 568.7 against 606.0), a launch of
+#:   its own elsewhere: a branch gives every program the refresh's registers (Mamba-2 tp8_hi32 decode
+#:   222.1 against 238.5 as a branch, GDN verify s32_rs 695.0 against 779.4);
+#: - the slots due on a side stream beside the others' step (``beside``): GDN decode from fp32 and
+#:   2-byte read copies (s32_rs 365.3 against 377.4 in order), GDN verify from fp8 (904.7 against
+#:   928.3), Mamba-2 decode from 2-byte and fp8 read copies (tp8_hi32 188.8 against 198.7); not taken
+#:   where slower or no faster (Mamba-2 s32_rs decode 325.0 against 303.4, GDN verify s32_rs 803.9
+#:   against 808.1; the launch over the slots due with 2 or 4 warps: GDN decode 388.5, 448.2);
+#: - GDN's refresh launch under a register cap (its loop over the slots due took 218 registers):
+#:   decode s32_rs 390.2 at 128 (407.4 uncapped), tp16_hi32 341.5 at 168 (344.0 at 128); GDN verify
+#:   from fp32 caps the step kernel at 168 (794.9 against 831.2, no spills). NVFP4 takes none (a cap
+#:   of 128 spills 1.4 KB with a 2-byte anchor);
+#: - GDN verify of 4 drafts takes its read-copy products on tensor cores, streamed (805.0; loaded
+#:   whole 934.5, row reductions 877.3), of exact operands from 2-byte and fp8 read copies
+#:   (``formats.exact_operand_products``: tp16_hi32 679.0 against 697.9 as 3-pass tf32); Mamba-2's
+#:   verify keeps row reductions in 1-warp programs (639.1; 2 warps 892.4, streamed products 726.8);
+#: - a pin of 16 elements per thread for GDN decode from fp32 and Mamba-2 verify of 4 drafts from
+#:   2-byte read copies (515.3 against 543.5 unpinned); none elsewhere (GDN decode tp16_hi32 299.1
+#:   against 313.8 pinned, Mamba-2 verify of 2 drafts tp16_hi32 309.7 against 332.3);
+#: - 3 fold stages in flight in a refresh launch, 2 in a branch (GDN decode 443.9 against 466.0 at 1).
 #:
 #: One warp per 32 rows keeps row reductions inside a warp; NVFP4 takes 4 warps (one cannot hide
-#: its nibble decoding). GDN verify steps of T >= 4 run their read-copy products on tensor cores,
-#: streamed. The pin: Triton loads an fp32 tile 4 elements per thread and an fp16 tile 8, spreading
-#: a 128-wide row over a whole warp, so every row reduction ends in 5 rounds of shuffles; pinned to
-#: 16 per thread, 3.
+#: its nibble decoding). The pin: Triton loads an fp32 tile 4 elements per thread and an fp16 tile
+#: 8, spreading a 128-wide row over a whole warp, so every row reduction ends in 5 rounds of
+#: shuffles; pinned to 16 per thread, 3. bf16 read copies take fp16's entries.
 BASE_SHAPE = StepShape(rows=32, warps=1, pin=0, output_dot=False, stream=0, split=True, stages=3)
 _VERIFY_DOT = dict(output_dot=True, stream=3)
 _BESIDE = dict(split=False, beside=True)  # the slots due beside the others, each refresh a branch of its step
