@@ -33,7 +33,7 @@ def test_step_kernels_assemble_without_spills_and_the_pin_saves_shuffles(tmp_pat
     """With the benchmarks' bf16 inputs, the default decode step kernels of every layer kind, refresh branch included, fit in registers
     (no spills), but for GDN's step launch over the slots due only (``launch.DUE_ONLY``: a sixteenth
     of a staggered step's programs, each refreshing its rows first), which may spill a few words
-    (28 bytes on sm_90a; measured faster than a refresh launch of its own, ``launch.SHAPES``); GDN's
+    (24 bytes on sm_90a; measured faster than a refresh launch of its own, ``launch.SHAPES``); GDN's
     pinned read-copy load (16 elements per thread) reduces its rows in fewer warp shuffles than the
     same kernel unpinned; nor do the verify step kernels of 4 drafts. Fails if a kernel spills or
     ignores PIN."""
@@ -99,24 +99,35 @@ def test_nvfp4_step_kernels_of_several_row_blocks_assemble(tmp_path):
     (``formats.global_scale_index`` returns one index per row there, a scalar for one block): the
     kernels of both layer kinds, refresh branch included, compile for sm_90a at both shapes, with
     row reductions and with the read-copy products on tensor cores (``formats.streamed_products``),
-    and fit in registers. Fails if the two forms of the index or the fp16 decode do not build."""
+    and fit in registers (GDN's 64-row programs with row reductions, a shape the policy does not
+    take, at 255 registers and up to 32 bytes spilled in the refresh branch). Fails if the two forms
+    of the index or the fp16 decode do not build."""
     for shape in ("32x4", "64x4", "64x4ok3"):
         rows = _rows(_compile_for_sm90(tmp_path, PTXAS_REPORT, "--arch", "mamba2,gdn", "--presets", "tp4_hi32",
                                        "--shapes", shape, "--tuning", "split=0"))
         assert {r[0] for r in rows} == {"mamba2", "gdn"}, rows
         for arch, preset, label, kernel, regs, spills, *_ in rows:
-            assert label == shape[:4] and 0 < int(regs) <= 255 and spills == "0/0", (arch, label, kernel, regs, spills)
+            stores, loads = (int(n) for n in spills.split("/"))
+            allowed = 32 if (arch, shape) == ("gdn", "64x4") else 0
+            assert label == shape[:4] and 0 < int(regs) <= 255 and stores <= allowed and loads <= allowed, \
+                (arch, label, kernel, regs, spills)
 
 
 def test_steps_of_one_launch_assemble_without_spills(tmp_path):
     """The smallest steps (``launch.FUSED_MAX_BATCH``), decode and verify of 2 drafts, are the step
     launch alone, whose programs prepare their inputs and solve their refresh themselves: both
     layer kinds fit in registers at the policy's 32 rows x 2 warps (GDN's keys' products taken 32
-    columns at a time, ``gdn.triton._gram``: a whole [16, 128] tile of keys spilled 0.5 KB)."""
+    columns at a time, ``gdn.triton._gram``: a whole [16, 128] tile of keys spilled 0.5 KB). GDN's
+    verify of 2 drafts, at 255 registers, may spill up to 32 bytes in its refresh branch, whose
+    products take the keys as buffered (``formats.exact_b_products``; measured no slower: H100,
+    batch 1, 16.9 against 17.2 us per round with 3-pass tf32)."""
     for draft in ("1", "2"):
         rows = [line.split() for line in _compile_for_sm90(
             tmp_path, PTXAS_REPORT, "--arch", "mamba2,gdn", "--presets", "s32_rs", "--batch", "1", "--draft",
             draft).splitlines()[1:]]
         assert [r[3] for r in rows] == ["_mamba2_step_kernel", "_gdn_step_kernel"], rows
         for arch, preset, shape, kernel, regs, spills, *_ in rows:
-            assert shape == "32x2" and 0 < int(regs) <= 255 and spills == "0/0", (arch, draft, shape, regs, spills)
+            stores, loads = (int(n) for n in spills.split("/"))
+            allowed = 32 if (arch, draft) == ("gdn", "2") else 0
+            assert shape == "32x2" and 0 < int(regs) <= 255 and stores <= allowed and loads <= allowed, \
+                (arch, draft, shape, regs, spills)

@@ -232,3 +232,40 @@ def test_kernel_random_bits_match_torch_across_the_high_word():
     wrong = formats.random_bits(seeds[:, None], streams[:, None],
                                 (starts[:, None] >> 32 << 32) + ((starts[:, None] + torch.arange(span)) & 0xFFFFFFFF))
     assert (wrong != want).sum() >= span // 2
+
+
+@triton.jit
+def _exact_b_kernel(a_ptr, b_ptr, c_ptr, out_ptr, high_ptr, M: tl.constexpr, K: tl.constexpr, N: tl.constexpr):
+    m, k, n = tl.arange(0, M), tl.arange(0, K), tl.arange(0, N)
+    A = tl.load(a_ptr + m[:, None] * K + k[None, :])
+    B = tl.load(b_ptr + k[:, None] * N + n[None, :])  # bf16, as a buffer holds inputs given in bf16
+    acc = tl.load(c_ptr + m[:, None] * N + n[None, :])
+    tl.store(out_ptr + m[:, None] * N + n[None, :], tf.exact_b_products(A, B, acc))
+    tl.store(high_ptr + m[:, None] * K + k[None, :], tf._tf32_high(A))
+
+
+def _tf32_round_away(x):
+    """x rounded to 11 significant bits, to nearest, ties away from zero (cvt.rna.tf32), in float64."""
+    m, e = torch.frexp(x.double())
+    return (torch.sign(m) * torch.floor(m.abs() * 2**11 + 0.5) * torch.exp2(e.double() - 11)).float()
+
+
+def test_exact_b_products_are_fp32_accurate_and_split_at_tf32():
+    """``exact_b_products`` (A split at tf32 into two single-pass products with a bf16 B) against
+    float64, within fp32 rounding of the accumulation; its split point rounds ties away from zero
+    as ``cvt.rna.tf32`` does (ties chosen where nearest-even would round the other way)."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    M, K, N = 32, 32, 16
+    A = torch.randn(M, K, generator=g) * torch.logspace(-4, 3, K)[None, :]
+    ties = (torch.randint(2**10, 2**11, (M, 4), generator=g) * 2 + 1).double() * 2.0**-12  # odd 12-bit values
+    A[:, :4] = (ties * torch.exp2(torch.randint(-20, 20, (M, 1), generator=g).double())).float()
+    B = torch.randn(K, N, generator=g).bfloat16()
+    acc = torch.randn(M, N, generator=g)
+    out, high = torch.empty(M, N), torch.empty(M, K)
+    _launch(_exact_b_kernel, (1,), A, B, acc, out, high, M, K, N)
+    want = A.double() @ B.double() + acc.double()
+    bound = (A.double().abs() @ B.double().abs() + acc.double().abs()) * 2.0**-20
+    assert ((out.double() - want).abs() <= bound).all()
+    assert torch.equal(high, _tf32_round_away(A))
+    even = (ties * 2**11).round() != torch.floor(ties * 2**11 + 0.5)  # ties where nearest-even differs
+    assert even.sum() >= 8

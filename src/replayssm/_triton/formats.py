@@ -423,6 +423,29 @@ def products_on_tensor_cores(va, vb, sc, Q, FMT: tl.constexpr):
 
 
 @triton.jit
+def _tf32_high(x):
+    """fp32 x rounded to tf32 (10 mantissa bits) to nearest, ties away from zero, as ``cvt.rna.tf32``
+    rounds the large part of 3-pass tf32 (infinities and NaN stay what they are)."""
+    return ((x.to(tl.int32, bitcast=True) + 0x1000) & -8192).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def exact_b_products(A, B, acc):
+    """A B + acc [M, N] fp32 on tensor cores, fp32-accurate, for A [M, K] fp32 and B [K, N] in the
+    dtype it is stored in. A 16-bit B (inputs kept as given) is a tf32 value exactly: A is split
+    into its tf32 part and the rest, and each multiplies B in one single-pass product, the small one
+    first — 3-pass tf32 without its third pass, over B's low part, which is zero (two tensor-core
+    passes instead of three, and no split of B). An fp32 B takes 3-pass tf32."""
+    if B.dtype == tl.float32:
+        return tl.dot(A, B, acc, input_precision="tf32x3")
+    B = B.to(tl.float32)
+    high = _tf32_high(A)
+    P = tl.dot(A - high, B, input_precision="tf32")
+    P = tl.where(P != P, 0.0, P)  # as 3-pass tf32: a NaN of the small parts (inf - inf) is not the result's
+    return tl.dot(high, B, P, input_precision="tf32") + acc
+
+
+@triton.jit
 def _power_of_two_scale(Q):
     """(up, down) [R] for the rows of Q [R, C] fp32: powers of two, ``up`` taking a row's largest
     magnitude into [2^14, 2^15) (fp16's top binades end at 65504), ``down`` = 1 / up exactly (both

@@ -33,7 +33,7 @@ the one before it drains, and waits for it before its first memory access (``aft
 
 The policy (``step_shape``) is one table per architecture: rows per program, warps, and how the
 outputs read the read copy. A refresh folds 32-row sub-tiles (``FOLD_ROWS``) whatever the program's
-rows, with products on tensor cores (3-pass tf32, fp32-accurate) and no reduction whose order
+rows, with fp32-accurate products on tensor cores and no reduction whose order
 depends on the layout, so the anchor's bits are the same for every read format.
 """
 from __future__ import annotations

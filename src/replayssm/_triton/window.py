@@ -106,14 +106,22 @@ def window_rows(buf_ptr, in_ptr, sb, st, sh, se, row, pid_b, h, head, NH, cols, 
 
 
 @triton.jit
-def window_keys(bk_ptr, bks_ptr, row, khead, h, ck, HK, DK: tl.constexpr, L: tl.constexpr, LP: tl.constexpr):
-    """[LP, len(ck)] fp32 committed keys of key head ``khead``, as the recurrence uses them: the
-    buffered keys as given (bk [rows, L, HK, DK]) times their normalizing factors (bks [rows, L,
-    HK] fp32), columns ``ck`` (zero from DK on), entries j < h (zero after)."""
+def window_raw_keys(bk_ptr, bks_ptr, row, khead, h, ck, HK, DK: tl.constexpr, L: tl.constexpr, LP: tl.constexpr):
+    """The committed keys of key head ``khead`` as buffered (bk [rows, L, HK, DK], the dtype of the
+    caller's keys), [LP, len(ck)], columns ``ck`` (zero from DK on), entries j < h (zero after), and
+    their normalizing factors [LP] fp32 (bks [rows, L, HK])."""
     j = tl.arange(0, LP)
     k = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :],
-                mask=(j < h)[:, None] & within(ck, DK)[None, :], other=0.0).to(tl.float32)
-    return k * tl.load(bks_ptr + (row * L + j) * HK + khead, mask=j < h, other=0.0)[:, None]
+                mask=(j < h)[:, None] & within(ck, DK)[None, :], other=0.0)
+    return k, tl.load(bks_ptr + (row * L + j) * HK + khead, mask=j < h, other=0.0)
+
+
+@triton.jit
+def window_keys(bk_ptr, bks_ptr, row, khead, h, ck, HK, DK: tl.constexpr, L: tl.constexpr, LP: tl.constexpr):
+    """[LP, len(ck)] fp32 committed keys of key head ``khead``, as the recurrence uses them: the
+    buffered keys times their normalizing factors (``window_raw_keys``)."""
+    k, k_scale = window_raw_keys(bk_ptr, bks_ptr, row, khead, h, ck, HK, DK, L, LP)
+    return k.to(tl.float32) * k_scale[:, None]
 
 
 @triton.jit

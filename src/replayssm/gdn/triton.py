@@ -23,9 +23,12 @@ so U = R (I + M)^{-T} with the [L, L] inverse from the solve launch, and
 
     S_new = e^{c_h} S_anchor + sum_j e^{g(j, h)} u_j k_j^T.
 
-S_anchor K^T, R (I + M)^{-T} and the rank-h update are 3-pass-tf32 tensor-core products over
-32-row sub-tiles; everything else is element-wise, so no reduction's order depends on the tile
-layout and the anchor's bits are the same for every read format. S_new is cast independently into
+S_anchor K^T, R (I + M)^{-T} and the rank-h update are fp32-accurate tensor-core products over
+32-row sub-tiles: the two with the keys take them as buffered (16-bit inputs are exact tensor-core
+operands, so the fp32 side is split into two single-pass products, ``formats.exact_b_products``)
+and apply their normalizing factors to the other side; everything else is element-wise, so no
+reduction's order depends on the tile layout and the anchor's bits are the same for every read
+format. S_new is cast independently into
 anchor and read copy. Outputs solve only the new tokens' residuals against the read copy, reusing
 the cached read-path residuals of committed entries:
 
@@ -49,10 +52,11 @@ from .._triton.launch import advance_row, after_previous_launch
 from .._triton.solve import unit_lower_inverse
 from .._triton.decay import ordered_row_sums, path_decays, softplus
 from .._triton.window import (ancestor_bits, draft_paths, due_slot, fused_item, head_window, list_due,
-                              new_key_query, pending_tree, slot_cursor, step_item, window_keys)
-from .._triton.formats import (as_query, as_stored, column, global_scale_index, load_query, load_read, load_tile, matvec,
-                               pin_vector_width, products_on_tensor_cores, read_copy_from_anchor, streamed_products,
-                               within, write_checkpoint)
+                              new_key_query, pending_tree, slot_cursor, step_item, window_keys,
+                              window_raw_keys)
+from .._triton.formats import (as_query, as_stored, column, exact_b_products, global_scale_index, load_query,
+                               load_read, load_tile, matvec, pin_vector_width, products_on_tensor_cores,
+                               read_copy_from_anchor, streamed_products, within, write_checkpoint)
 
 
 @triton.jit
@@ -274,19 +278,23 @@ def _gdn_refresh_rows(pid_b, head, khead, row, h, r0, seeds_ptr, tokens_ptr, Tin
         gidx = mat * (DV // FR) + (r0 + f * FR) // FR  # NVFP4: FR is the row block, one global scale
         V_c = tl.load(bv_ptr + (buf_tok[None, :] * HV + head) * DV + rv[:, None], mask=old[None, :],
                       other=0.0).to(tl.float32)  # [FR, LP]
-        SK = tl.zeros((FR, LP), dtype=tl.float32)  # S_anchor k_j
+        # products with the keys as buffered (exact tensor-core operands when 16-bit,
+        # ``exact_b_products``), their normalizing factors applied to the other side
+        SK = tl.zeros((FR, LP), dtype=tl.float32)  # S_anchor k_j / k_scale_j
         for c in tl.range(0, (DK + SKC - 1) // SKC, num_stages=STAGES):  # a loop, not unrolled: registers
             cols = c * SKC + tl.arange(0, SKC)
-            K_part = window_keys(bk_ptr, bks_ptr, row, khead, h, cols, HK, DK, L, LP)
+            K_part, _ = window_raw_keys(bk_ptr, bks_ptr, row, khead, h, cols, HK, DK, L, LP)
             S_part = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT)
-            SK += tl.dot(S_part, tl.trans(K_part), input_precision="tf32x3")
-        R = tl.where(old[None, :], beta_c[None, :] * (V_c - ec[None, :] * SK), 0.0)
-        U = tl.dot(R, Tinv, input_precision="tf32x3") * es[None, :]  # residuals, decayed to the end
+            SK = exact_b_products(S_part, tl.trans(K_part), SK)
+        k_scale = tl.load(bks_ptr + buf_tok * HK + khead, mask=old, other=0.0)  # loaded here: registers
+        R = tl.where(old[None, :], beta_c[None, :] * (V_c - ec[None, :] * (SK * k_scale[None, :])), 0.0)
+        # residuals, decayed to the end and times their keys' normalizing factors
+        U = tl.dot(R, Tinv, input_precision="tf32x3") * (es * k_scale)[None, :]
         for c in tl.range(0, (DK + KC - 1) // KC, num_stages=STAGES):  # a loop, not unrolled: registers
             cols = c * KC + tl.arange(0, KC)
-            K_part = window_keys(bk_ptr, bks_ptr, row, khead, h, cols, HK, DK, L, LP)
+            K_part, _ = window_raw_keys(bk_ptr, bks_ptr, row, khead, h, cols, HK, DK, L, LP)
             S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT) * total
-            S += tl.dot(U, K_part, input_precision="tf32x3")
+            S = exact_b_products(U, K_part, S)
             write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, cols, seed,
                              tokens, DV, DK, A_FMT, A_SR, R_FMT, R_SR, SHARED or READ_AFTER)
         if READ_AFTER:
