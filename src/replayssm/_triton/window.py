@@ -106,22 +106,27 @@ def window_rows(buf_ptr, in_ptr, sb, st, sh, se, row, pid_b, h, head, NH, cols, 
 
 
 @triton.jit
-def window_raw_keys(bk_ptr, bks_ptr, row, khead, h, ck, HK, DK: tl.constexpr, L: tl.constexpr, LP: tl.constexpr):
+def window_raw_keys(bk_ptr, row, khead, h, ck, HK, DK: tl.constexpr, L: tl.constexpr, LP: tl.constexpr):
     """The committed keys of key head ``khead`` as buffered (bk [rows, L, HK, DK], the dtype of the
-    caller's keys), [LP, len(ck)], columns ``ck`` (zero from DK on), entries j < h (zero after), and
-    their normalizing factors [LP] fp32 (bks [rows, L, HK])."""
+    caller's keys), [LP, len(ck)], columns ``ck`` (zero from DK on), entries j < h (zero after)."""
     j = tl.arange(0, LP)
-    k = tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :],
-                mask=(j < h)[:, None] & within(ck, DK)[None, :], other=0.0)
-    return k, tl.load(bks_ptr + (row * L + j) * HK + khead, mask=j < h, other=0.0)
+    return tl.load(bk_ptr + ((row * L + j[:, None]) * HK + khead) * DK + ck[None, :],
+                   mask=(j < h)[:, None] & within(ck, DK)[None, :], other=0.0)
+
+
+@triton.jit
+def window_key_scales(bks_ptr, row, khead, h, HK, L: tl.constexpr, LP: tl.constexpr):
+    """The normalizing factors [LP] fp32 of those keys (bks [rows, L, HK]), zero from entry h on."""
+    j = tl.arange(0, LP)
+    return tl.load(bks_ptr + (row * L + j) * HK + khead, mask=j < h, other=0.0)
 
 
 @triton.jit
 def window_keys(bk_ptr, bks_ptr, row, khead, h, ck, HK, DK: tl.constexpr, L: tl.constexpr, LP: tl.constexpr):
     """[LP, len(ck)] fp32 committed keys of key head ``khead``, as the recurrence uses them: the
-    buffered keys times their normalizing factors (``window_raw_keys``)."""
-    k, k_scale = window_raw_keys(bk_ptr, bks_ptr, row, khead, h, ck, HK, DK, L, LP)
-    return k.to(tl.float32) * k_scale[:, None]
+    buffered keys times their normalizing factors."""
+    k = window_raw_keys(bk_ptr, row, khead, h, ck, HK, DK, L, LP).to(tl.float32)
+    return k * window_key_scales(bks_ptr, row, khead, h, HK, L, LP)[:, None]
 
 
 @triton.jit

@@ -52,8 +52,8 @@ from .._triton.launch import advance_row, after_previous_launch
 from .._triton.solve import unit_lower_inverse
 from .._triton.decay import ordered_row_sums, path_decays, softplus
 from .._triton.window import (ancestor_bits, draft_paths, due_slot, fused_item, head_window, list_due,
-                              new_key_query, pending_tree, slot_cursor, step_item, window_keys,
-                              window_raw_keys)
+                              new_key_query, pending_tree, slot_cursor, step_item, window_key_scales,
+                              window_keys, window_raw_keys)
 from .._triton.formats import (as_query, as_stored, column, exact_b_products, global_scale_index, load_query,
                                load_read, load_tile, matvec, pin_vector_width, products_on_tensor_cores,
                                read_copy_from_anchor, streamed_products, within, write_checkpoint)
@@ -283,16 +283,16 @@ def _gdn_refresh_rows(pid_b, head, khead, row, h, r0, seeds_ptr, tokens_ptr, Tin
         SK = tl.zeros((FR, LP), dtype=tl.float32)  # S_anchor k_j / k_scale_j
         for c in tl.range(0, (DK + SKC - 1) // SKC, num_stages=STAGES):  # a loop, not unrolled: registers
             cols = c * SKC + tl.arange(0, SKC)
-            K_part, _ = window_raw_keys(bk_ptr, bks_ptr, row, khead, h, cols, HK, DK, L, LP)
+            K_part = window_raw_keys(bk_ptr, row, khead, h, cols, HK, DK, L, LP)
             S_part = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT)
             SK = exact_b_products(S_part, tl.trans(K_part), SK)
-        k_scale = tl.load(bks_ptr + buf_tok * HK + khead, mask=old, other=0.0)  # loaded here: registers
+        k_scale = window_key_scales(bks_ptr, row, khead, h, HK, L, LP)  # loaded here, not held: registers
         R = tl.where(old[None, :], beta_c[None, :] * (V_c - ec[None, :] * (SK * k_scale[None, :])), 0.0)
         # residuals, decayed to the end and times their keys' normalizing factors
         U = tl.dot(R, Tinv, input_precision="tf32x3") * (es * k_scale)[None, :]
         for c in tl.range(0, (DK + KC - 1) // KC, num_stages=STAGES):  # a loop, not unrolled: registers
             cols = c * KC + tl.arange(0, KC)
-            K_part, _ = window_raw_keys(bk_ptr, bks_ptr, row, khead, h, cols, HK, DK, L, LP)
+            K_part = window_raw_keys(bk_ptr, row, khead, h, cols, HK, DK, L, LP)
             S = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT) * total
             S = exact_b_products(U, K_part, S)
             write_checkpoint(S, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, mat, gidx, head, rv, cols, seed,
