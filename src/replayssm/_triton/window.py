@@ -236,3 +236,18 @@ def fused_item(slots_ptr, committed_ptr, parents_ptr, gaps_ptr, c, first, SCRATC
         if first:
             pending_tree(parents_ptr, gaps_ptr, c, valid, row, T, MAXD)
     return valid, row, h, need
+
+
+@triton.jit
+def program_item(due_ptr, slots_ptr, cursors_ptr, committed_ptr, parents_ptr, gaps_ptr, c, it, count, first, SCRATCH,
+                 T: tl.constexpr, L: tl.constexpr, DUE: tl.constexpr, FUSED: tl.constexpr, TREE: tl.constexpr,
+                 MAXD: tl.constexpr):
+    """(active, batch row, valid, storage row, committed count h, refresh due) of round ``it`` of a
+    step program of grid index ``c`` over batch rows: ``fused_item`` in a step of one launch
+    (FUSED; ``first``: the row's first program), else ``step_item``."""
+    if FUSED:
+        valid, row, h, need = fused_item(slots_ptr, committed_ptr, parents_ptr, gaps_ptr, c, first, SCRATCH, T, L,
+                                         TREE, MAXD)
+        return True, c, valid, row, h, need
+    else:
+        return step_item(due_ptr, slots_ptr, cursors_ptr, c, it, count, SCRATCH, T, L, DUE)

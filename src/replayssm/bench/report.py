@@ -598,7 +598,7 @@ def same_run_section(peers_json: str, latest_json: str = "") -> tuple[str, str]:
          "`s32_rs` stays within 5e-7. Raw: `docs/bench/peers.json`."
          + (f" Made by the comparison harness (a repository of its own, which carries the other projects' kernels "
             f"unchanged and drives this library through its public API): `{rep['command']}`; "
-            + rep.get("checks", "the float64 checks of every preset ran in the same device call "
+            + rep.get("checks", "the float64 checks of every preset ran in the same run "
                       "(`benchmarks/h200.py --parts correct,graph`).")
             if rep.get("command") else ""), "", peers.tables(rep)]
     readme = peers.headline(rep)

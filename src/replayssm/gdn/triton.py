@@ -51,8 +51,8 @@ from .._triton import launch
 from .._triton.launch import advance_row, after_previous_launch
 from .._triton.solve import unit_lower_inverse
 from .._triton.decay import ordered_row_sums, path_decays, softplus
-from .._triton.window import (ancestor_bits, draft_paths, due_slot, fused_item, head_window, list_due,
-                              new_key_query, pending_tree, slot_cursor, step_item, window_key_scales,
+from .._triton.window import (ancestor_bits, draft_paths, due_slot, head_window, list_due,
+                              new_key_query, pending_tree, program_item, slot_cursor, window_key_scales,
                               window_keys, window_raw_keys)
 from .._triton.formats import (as_query, as_stored, column, exact_b_products, global_scale_index, load_query,
                                load_read, load_tile, matvec, pin_vector_width, products_on_tensor_cores,
@@ -565,13 +565,9 @@ def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, de
     pid_v, head, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     count = tl.load(due_ptr) if DUE == 2 else 0
     for it in tl.range(0, ROUNDS, num_stages=1):  # a constant trip count: the interpreter needs one
-        if FUSED:
-            pid_b, active = c, True
-            valid, row, h, need = fused_item(slots_ptr, committed_ptr, parents_ptr, gaps_ptr, c,
-                                             (pid_v == 0) & (head == 0), SCRATCH, T, L, TREE, MAXD)
-        else:
-            active, pid_b, valid, row, h, need = step_item(due_ptr, slots_ptr, cursors_ptr, c, it, count, SCRATCH, T,
-                                                           L, DUE)
+        active, pid_b, valid, row, h, need = program_item(due_ptr, slots_ptr, cursors_ptr, committed_ptr, parents_ptr,
+                                                          gaps_ptr, c, it, count, (pid_v == 0) & (head == 0), SCRATCH,
+                                                          T, L, DUE, FUSED, TREE, MAXD)
         if active:
             _gdn_step_program(
                 pid_v, head, pid_b, valid, row, h, need, slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
