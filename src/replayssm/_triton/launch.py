@@ -272,7 +272,7 @@ def run(kernel, grid, *args, **kwargs):
 
 
 #: A step launch's ``DUE``: which batch rows its programs work on.
-EVERY_SLOT, NOT_DUE, DUE_ONLY = 0, 1, 2
+EVERY_SLOT, NOT_DUE, DUE_ONLY, DUE_FIRST = 0, 1, 2, 3
 
 
 @functools.lru_cache(maxsize=None)
@@ -320,7 +320,8 @@ def step_launches(kernel, tile, b, shape, programs, rounds, args, consts, extra,
     else:
         for k, grid, a, c in due_work:
             run(k, grid, *a, **c)
-        run(kernel, (*tile, b), *args, REFRESH=not shape.split, DUE=EVERY_SLOT, ROUNDS=1, **extra, **consts)
+        every = DUE_FIRST if shape.due_first and not shape.split else EVERY_SLOT
+        run(kernel, (*tile, b), *args, REFRESH=not shape.split, DUE=every, ROUNDS=1, **extra, **consts)
 
 
 def token_strides(t) -> tuple[int, int, int, int]:
@@ -434,6 +435,8 @@ class StepShape(NamedTuple):
     #: the step of the other slots (``NOT_DUE``)
     fused: bool = False  #: GDN: the whole step in one launch, each program preparing its own inputs and
     #: solving its own refresh (no scores or solve launch; the refresh a branch, row reductions)
+    due_first: bool = False  #: the launch over every slot visits the slots due first (``DUE_FIRST``,
+    #: ``window.step_item``), the refresh a branch
 
 
 #: Step shapes by (architecture, read format): entries (least draft length, fields of StepShape that
@@ -523,6 +526,16 @@ SPLIT_MIN_BATCH = 64
 #: 75.7 -> 67.5, but decode 29.5 -> 32.7, batch 1 decode 8.2 -> 9.0: no slot due in most steps).
 SIDE_STREAM_ARCHS = ("gdn",)  # Mamba-2's slots due beside at batch 8-32 ran slower (s32_rs 30.2 -> 33.4 at 16)
 
+#: Architectures whose step launch over every slot visits the slots due first below SPLIT_MIN_BATCH
+#: (``StepShape.due_first``: the list of slots due extended to an order of every batch row, so the
+#: refreshing programs' long chains start in the first wave instead of whenever their batch rows
+#: come up). H100, one run, Mamba-2, staggered, us per step, batch order -> due first: decode
+#: s32_rs batch 8 18.5 -> 17.6, 16 40.0 -> 36.0, 32 66.1 -> 62.0 (tp16_hi32 14.7 -> 14.5, 29.7 ->
+#: 26.3, 50.1 -> 43.7); verify of 4 drafts 41.6 -> 41.0, 68.3 -> 68.5, 107.6 -> 104.4 (tp16_hi32
+#: 37.9, 61.1 -> 60.9, 98.4 -> 99.6). At batch 256 no faster (decode 416.7 -> 421.1, verify 659.3 ->
+#: 665.1), where most programs stream and the slots due are a few of them.
+DUE_FIRST_ARCHS = ("mamba2",)
+
 
 #: Steps of at most FUSED_MAX_T tokens over at most FUSED_MAX_BATCH batch rows run as one launch
 #: (``StepShape.fused``, FUSED_SHAPE), where a step is launch latency (H200, one run, staggered, us
@@ -564,9 +577,11 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
         found = found._replace(split=False, beside=arch in SIDE_STREAM_ARCHS and batch * T >= cache.window)
     if batch <= FUSED_MAX_BATCH and T <= FUSED_MAX_T and arch in FUSED_ARCHS:
         found = found._replace(**FUSED_SHAPE)
+    if arch in DUE_FIRST_ARCHS and batch < SPLIT_MIN_BATCH:
+        found = found._replace(due_first=True)
     found = found._replace(**TUNING)
     if found.fused:
-        found = found._replace(split=False, beside=False, output_dot=False)
+        found = found._replace(split=False, beside=False, output_dot=False, due_first=False)
     rows = found.rows
     if cache.dv <= FOLD_ROWS or cache.dv % FOLD_ROWS:
         rows = cache.row_block

@@ -38,11 +38,13 @@ def step_cursor(cursors_ptr, pid_b, valid, T: tl.constexpr, L: tl.constexpr):
 def list_due(slots_ptr, committed_ptr, due_ptr, B, T: tl.constexpr, L: tl.constexpr, CH: tl.constexpr,
              PASSES: tl.constexpr):
     """The batch rows whose slots are due to refresh, in batch order, CH rows at a time: due[0] =
-    their count n, due[1 .. n] the rows (``due`` int32 [b + 1]); PASSES = ceil(B / CH). Run by one program of a scores
-    launch (committed counts change only in the step launch, after it): a refresh launch of its own
+    their count n, due[1 .. n] the rows, and the other rows from the end back, due[B], due[B - 1],
+    ... (``due`` int32 [b + 1]: due[1 ..] orders every row, the slots due first); PASSES =
+    ceil(B / CH). Run by one program of a scores launch (committed counts change only in the step launch, after it): a refresh launch of its own
     then needs a program per tile of the slots due only, where a launch over every slot spends
     most of its time on programs that load a cursor and exit."""
     count = tl.full((), 0, tl.int32)
+    others = tl.full((), 0, tl.int32)
     for p in tl.static_range(PASSES):
         i = p * CH + tl.arange(0, CH)
         slot = tl.load(slots_ptr + i, mask=i < B, other=-1)
@@ -51,6 +53,9 @@ def list_due(slots_ptr, committed_ptr, due_ptr, B, T: tl.constexpr, L: tl.conste
         rank = count + tl.cumsum(due, 0) - due
         tl.store(due_ptr + 1 + rank, i, mask=due > 0)
         count += tl.sum(due, 0)
+        rest = ((due == 0) & (i < B)).to(tl.int32)
+        tl.store(due_ptr + B - (others + tl.cumsum(rest, 0) - rest), i, mask=rest > 0)
+        others += tl.sum(rest, 0)
     tl.store(due_ptr, count)
 
 
@@ -67,17 +72,19 @@ def step_item(due_ptr, slots_ptr, cursors_ptr, c, it, count, SCRATCH, T: tl.cons
               DUE: tl.constexpr):
     """(active, batch row, valid, storage row, committed count h, refresh due) of round ``it`` of a
     step program whose grid index over batch rows is ``c``, by the launch's ``DUE``
-    (``launch.EVERY_SLOT`` 0, ``NOT_DUE`` 1, ``DUE_ONLY`` 2): batch row c (with NOT_DUE inactive
-    where its slot is due, left to a DUE_ONLY launch), or the slot due of rank c + it n (n the
-    grid's extent there, ``count`` = due[0]; inactive past the last)."""
+    (``launch.EVERY_SLOT`` 0, ``NOT_DUE`` 1, ``DUE_ONLY`` 2, ``DUE_FIRST`` 3): batch row c (with
+    NOT_DUE inactive where its slot is due, left to a DUE_ONLY launch), the slot due of rank c + it
+    n (DUE_ONLY; n the grid's extent there, ``count`` = due[0]; inactive past the last), or with
+    DUE_FIRST batch row due[1 + c] (``list_due``'s order of every row: the slots due first)."""
     if DUE == 2:
         r = c + it * tl.num_programs(2)
         pid_b, row, h = due_slot(due_ptr, slots_ptr, cursors_ptr, tl.minimum(r, count - 1))
         return r < count, pid_b, True, row, h, True
     else:
-        valid, row = slot_row(slots_ptr, c, SCRATCH)
-        h, need = step_cursor(cursors_ptr, c, valid, T, L)
-        return (need == 0) if DUE == 1 else True, c, valid, row, h, need
+        pid_b = tl.load(due_ptr + 1 + c) if DUE == 3 else c
+        valid, row = slot_row(slots_ptr, pid_b, SCRATCH)
+        h, need = step_cursor(cursors_ptr, pid_b, valid, T, L)
+        return (need == 0) if DUE == 1 else True, pid_b, valid, row, h, need
 
 
 @triton.jit

@@ -473,7 +473,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     gammas = torch.empty(b, H, T, dtype=torch.float32, device=dev)
     fold_w = torch.empty(b, H, LP, dtype=torch.float32, device=dev)
     fold_decay = torch.empty(b, H, dtype=torch.float32, device=dev)
-    listed = shape.split or shape.beside  # a launch over the slots due reads their list
+    listed = shape.split or shape.beside or shape.due_first  # a launch reads the list of slots due
     due = torch.empty(b + 1 if listed else 1, dtype=torch.int32, device=dev)
     launch.run(_mamba2_scores_kernel, (b, G), slots, cache.committed, cursors, buf["B"], buf["dt"], buf["log_alpha"],
                B, *strides(B), C, *strides(C), scores, fold_w, fold_decay, dt_in, *strides(dt_in)[:3],
