@@ -534,7 +534,16 @@ SIDE_STREAM_ARCHS = ("gdn",)  # Mamba-2's slots due beside at batch 8-32 ran slo
 #: 26.3, 50.1 -> 43.7); verify of 4 drafts 41.6 -> 41.0, 68.3 -> 68.5, 107.6 -> 104.4 (tp16_hi32
 #: 37.9, 61.1 -> 60.9, 98.4 -> 99.6). At batch 256 no faster (decode 416.7 -> 421.1, verify 659.3 ->
 #: 665.1), where most programs stream and the slots due are a few of them.
-DUE_FIRST_ARCHS = ("mamba2",)
+DUE_FIRST_ARCHS = ("mamba2", "gdn")
+
+#: Where an architecture can also run its slots due on a side stream (``SIDE_STREAM_ARCHS``), the
+#: slots due go first instead at batch <= DUE_FIRST_MAX_BATCH and at most two windows of tokens per
+#: step (batch x T <= 2 L). H100, one run, GDN, staggered, window 16, us per step, the side stream
+#: (or batch order where b T < L) -> due first: decode s32_rs batch 8 25.6 -> 23.4, 16 48.4 -> 43.7
+#: (tp16_hi32 23.2 -> 21.2, 43.1 -> 38.0), verify of 4 drafts at batch 8 69.6 -> 67.8 (64.7 ->
+#: 63.3); not taken at batch 16 verify (86.8 -> 87.4, tp16_hi32 80.3 -> 85.9) nor batch 32 decode
+#: (63.9 -> 72.5).
+DUE_FIRST_MAX_BATCH = 16
 
 
 #: Steps of at most FUSED_MAX_T tokens over at most FUSED_MAX_BATCH batch rows run as one launch
@@ -562,9 +571,10 @@ FUSED_ARCHS = ("mamba2", "gdn")
 
 def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> StepShape:
     """The launch shape of a step of T tokens over ``batch`` rows of ``cache`` (``SHAPES``; the
-    refresh a branch below SPLIT_MIN_BATCH rows, and the slots due beside the others there where a
-    step expects one, ``SIDE_STREAM_ARCHS``; one launch for the smallest steps, ``FUSED_MAX_BATCH``;
-    ``TUNING`` over it). Rows are a multiple of
+    refresh a branch below SPLIT_MIN_BATCH rows, the slots due first there (``DUE_FIRST_ARCHS``) or,
+    at larger batches of ``SIDE_STREAM_ARCHS``, beside the others where a step expects one
+    (``DUE_FIRST_MAX_BATCH``); one launch for the smallest steps, ``FUSED_MAX_BATCH``; ``TUNING``
+    over it). Rows are a multiple of
     FOLD_ROWS that divides dv, or the cache's row block (gcd(dv, 32), a power of two: 16 for dv =
     80, 8 for dv = 8 or 24) where dv is not a multiple of FOLD_ROWS or is at most FOLD_ROWS: a
     program owns whole NVFP4 global-scale blocks (``formats.global_scale_index``), one or several."""
@@ -574,11 +584,12 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
         if T >= least:
             found = BASE_SHAPE._replace(**fields)
     if batch < SPLIT_MIN_BATCH:
-        found = found._replace(split=False, beside=arch in SIDE_STREAM_ARCHS and batch * T >= cache.window)
+        first = arch in DUE_FIRST_ARCHS and (arch not in SIDE_STREAM_ARCHS or (
+            batch <= DUE_FIRST_MAX_BATCH and batch * T <= 2 * cache.window))
+        found = found._replace(split=False, due_first=first,
+                               beside=arch in SIDE_STREAM_ARCHS and batch * T >= cache.window and not first)
     if batch <= FUSED_MAX_BATCH and T <= FUSED_MAX_T and arch in FUSED_ARCHS:
         found = found._replace(**FUSED_SHAPE)
-    if arch in DUE_FIRST_ARCHS and batch < SPLIT_MIN_BATCH:
-        found = found._replace(due_first=True)
     found = found._replace(**TUNING)
     if found.fused:
         found = found._replace(split=False, beside=False, output_dot=False, due_first=False)
