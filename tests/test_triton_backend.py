@@ -159,6 +159,44 @@ def test_a_scores_launch_whose_decays_start_one_entry_early_is_detected(arch, mo
     assert tr.max_rel > 100 * 2e-5, tr.max_rel
 
 
+@triton.jit
+def _due_list_with_one_other_row(slots_ptr, committed_ptr, due_ptr, B, T: tl.constexpr, L: tl.constexpr,
+                                 CH: tl.constexpr, PASSES: tl.constexpr):
+    """``window.list_due`` whose order of the rows not due names batch row 0 for each of them."""
+    count = tl.full((), 0, tl.int32)
+    others = tl.full((), 0, tl.int32)
+    for p in tl.static_range(PASSES):
+        i = p * CH + tl.arange(0, CH)
+        slot = tl.load(slots_ptr + i, mask=i < B, other=-1)
+        h = tl.load(committed_ptr + slot, mask=slot >= 0, other=0)
+        due = ((slot >= 0) & (h + T > L)).to(tl.int32)
+        tl.store(due_ptr + 1 + count + tl.cumsum(due, 0) - due, i, mask=due > 0)
+        count += tl.sum(due, 0)
+        rest = ((due == 0) & (i < B)).to(tl.int32)
+        tl.store(due_ptr + B - (others + tl.cumsum(rest, 0) - rest), i * 0, mask=rest > 0)
+        others += tl.sum(rest, 0)
+    tl.store(due_ptr, count)
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
+def test_a_step_launch_that_misses_a_row_in_its_due_first_order_is_detected(arch, monkeypatch):
+    """Below batch 64 the step launch takes the batch rows in the scores launch's order, the slots
+    due first (``StepShape.due_first``): an order that names one row for every row not due leaves
+    the others' outputs unwritten and their entries unstored, which the tracker's checks or the
+    float64 recurrence catch."""
+    from replayssm._triton import launch
+
+    assert launch.step_shape(TritonLayer(arch).cache(4, window=16, max_draft=4), arch, 1, batch=4).due_first
+    monkeypatch.setattr(importlib.import_module(f"replayssm.{arch}.triton"), "list_due", _due_list_with_one_other_row)
+    layer = TritonLayer(arch)
+    tr = helpers.Tracker(layer, layer.cache(4, window=16, max_draft=4), seed=4)
+    try:
+        _schedule(tr, rounds=2, rng=None)
+    except AssertionError:  # the tracker's own checks caught it first (a pad's outputs not zero)
+        return
+    assert tr.max_rel > 100 * 2e-5, tr.max_rel
+
+
 @pytest.mark.parametrize("arch", ["mamba2", "gdn"])
 @pytest.mark.parametrize("precision", ["tp8_hi32", "tp4_hi16_sr", "f4_sr_rs", "bf16_rs"])
 def test_triton_low_precision_agrees_with_torch_backend(arch, precision):
@@ -520,10 +558,17 @@ def test_step_shapes_follow_the_policy():
     wide = rs.GDNCache(1, 1, 2, 32, 128, precision="s32_rs")
     one = launch.step_shape(wide, "gdn", 1)  # the slots due beside the others, each refresh a branch
     assert one[:2] == (32, 1) and one.beside and not one.split
-    assert not launch.step_shape(wide, "gdn", 1, batch=8).beside  # small batches: beside where a slot is due
-    assert launch.step_shape(wide, "gdn", 1, batch=16).beside and launch.step_shape(wide, "gdn", 4, batch=4).beside
-    assert not launch.step_shape(wide, "gdn", 4, batch=4).split
-    assert not launch.step_shape(rs.Mamba2Cache(1, 2, 64, 128), "mamba2", 1, batch=32).beside
+    # below batch 64: the slots due first up to batch 16 and two windows of tokens, else beside
+    for T, batch in ((1, 8), (1, 16), (4, 4), (4, 8)):
+        small_batch = launch.step_shape(wide, "gdn", T, batch=batch)
+        assert small_batch.due_first and not small_batch.beside and not small_batch.split, (T, batch)
+    for T, batch in ((1, 32), (4, 16)):
+        assert launch.step_shape(wide, "gdn", T, batch=batch).beside and not launch.step_shape(
+            wide, "gdn", T, batch=batch).due_first, (T, batch)
+    assert not launch.step_shape(wide, "gdn", 1).due_first and not launch.step_shape(wide, "gdn", 1, batch=1).due_first
+    m2_32 = launch.step_shape(rs.Mamba2Cache(1, 2, 64, 128), "mamba2", 1, batch=32)
+    assert m2_32.due_first and not m2_32.beside
+    assert not launch.step_shape(rs.Mamba2Cache(1, 2, 64, 128), "mamba2", 1).due_first
     m8 = rs.Mamba2Cache(1, 2, 64, 128, precision="tp8_hi32")  # Mamba-2 fp8: beside, after a refresh launch
     assert launch.step_shape(m8, "mamba2", 1).beside and launch.step_shape(m8, "mamba2", 1).split
     assert not launch.step_shape(m8, "mamba2", 4).beside
