@@ -542,7 +542,8 @@ DUE_FIRST_ARCHS = ("mamba2", "gdn")
 #: (or batch order where b T < L) -> due first: decode s32_rs batch 8 25.6 -> 23.4, 16 48.4 -> 43.7
 #: (tp16_hi32 23.2 -> 21.2, 43.1 -> 38.0), verify of 4 drafts at batch 8 69.6 -> 67.8 (64.7 ->
 #: 63.3); not taken at batch 16 verify (86.8 -> 87.4, tp16_hi32 80.3 -> 85.9) nor batch 32 decode
-#: (63.9 -> 72.5).
+#: (63.9 -> 72.5), nor at batch 256 (decode 471.7 -> 469.9 but tp16_hi32 347.2 -> 409.7; verify of
+#: 4 drafts 779.0 -> 803.1 against a refresh launch of its own).
 DUE_FIRST_MAX_BATCH = 16
 
 
