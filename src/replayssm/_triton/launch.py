@@ -532,7 +532,8 @@ SIDE_STREAM_ARCHS = ("gdn",)  # Mamba-2's slots due beside at batch 8-32 ran slo
 #: come up). H100, one run, Mamba-2, staggered, us per step, batch order -> due first: decode
 #: s32_rs batch 8 18.5 -> 17.6, 16 40.0 -> 36.0, 32 66.1 -> 62.0 (tp16_hi32 14.7 -> 14.5, 29.7 ->
 #: 26.3, 50.1 -> 43.7); verify of 4 drafts 41.6 -> 41.0, 68.3 -> 68.5, 107.6 -> 104.4 (tp16_hi32
-#: 37.9, 61.1 -> 60.9, 98.4 -> 99.6). At batch 256 no faster (decode 416.7 -> 421.1, verify 659.3 ->
+#: 37.9, 61.1 -> 60.9, 98.4 -> 99.6). From batch 64 on it no longer pays (decode 115.8 -> 113.0 at
+#: 64, 217.1 -> 217.3 at 128, 416.7 -> 421.1 at 256; verify 184.1 -> 185.3, 348.1 -> 344.1, 659.3 ->
 #: 665.1), where most programs stream and the slots due are a few of them.
 DUE_FIRST_ARCHS = ("mamba2", "gdn")
 
