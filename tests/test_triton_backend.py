@@ -15,6 +15,7 @@ import triton.language as tl  # noqa: E402
 
 import helpers  # noqa: E402
 import replayssm as rs  # noqa: E402
+from replayssm._triton import window  # noqa: E402
 
 GEOMETRY = {"mamba2": dict(nheads=4, headdim=16, dstate=32, ngroups=2),
             "gdn": dict(num_k_heads=2, num_v_heads=4, head_k_dim=32, head_v_dim=16)}
@@ -162,20 +163,13 @@ def test_a_scores_launch_whose_decays_start_one_entry_early_is_detected(arch, mo
 @triton.jit
 def _due_list_with_one_other_row(slots_ptr, committed_ptr, due_ptr, B, T: tl.constexpr, L: tl.constexpr,
                                  CH: tl.constexpr, PASSES: tl.constexpr):
-    """``window.list_due`` whose order of the rows not due names batch row 0 for each of them."""
-    count = tl.full((), 0, tl.int32)
-    others = tl.full((), 0, tl.int32)
+    """``window.list_due``, then batch row 0 written over its order of the rows not due."""
+    window.list_due(slots_ptr, committed_ptr, due_ptr, B, T, L, CH, PASSES)
+    tl.debug_barrier()  # the list's stores, read back by other threads
+    count = tl.load(due_ptr)
     for p in tl.static_range(PASSES):
         i = p * CH + tl.arange(0, CH)
-        slot = tl.load(slots_ptr + i, mask=i < B, other=-1)
-        h = tl.load(committed_ptr + slot, mask=slot >= 0, other=0)
-        due = ((slot >= 0) & (h + T > L)).to(tl.int32)
-        tl.store(due_ptr + 1 + count + tl.cumsum(due, 0) - due, i, mask=due > 0)
-        count += tl.sum(due, 0)
-        rest = ((due == 0) & (i < B)).to(tl.int32)
-        tl.store(due_ptr + B - (others + tl.cumsum(rest, 0) - rest), i * 0, mask=rest > 0)
-        others += tl.sum(rest, 0)
-    tl.store(due_ptr, count)
+        tl.store(due_ptr + 1 + i, i * 0, mask=(i >= count) & (i < B))
 
 
 @pytest.mark.parametrize("arch", ["mamba2", "gdn"])
