@@ -40,9 +40,10 @@ def list_due(slots_ptr, committed_ptr, due_ptr, B, T: tl.constexpr, L: tl.conste
     """The batch rows whose slots are due to refresh, in batch order, CH rows at a time: due[0] =
     their count n, due[1 .. n] the rows, and the other rows from the end back, due[B], due[B - 1],
     ... (``due`` int32 [b + 1]: due[1 ..] orders every row, the slots due first); PASSES =
-    ceil(B / CH). Run by one program of a scores launch (committed counts change only in the step launch, after it): a refresh launch of its own
-    then needs a program per tile of the slots due only, where a launch over every slot spends
-    most of its time on programs that load a cursor and exit."""
+    ceil(B / CH). Run by one program of a scores launch (committed counts change only in the step
+    launch, after it): a refresh launch of its own then needs a program per tile of the slots due
+    only, where a launch over every slot spends most of its time on programs that load a cursor
+    and exit; a launch over every slot with ``launch.DUE_FIRST`` takes the rows in this order."""
     count = tl.full((), 0, tl.int32)
     others = tl.full((), 0, tl.int32)
     for p in tl.static_range(PASSES):
