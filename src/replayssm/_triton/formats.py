@@ -329,7 +329,8 @@ def load_read(v_ptr, s_ptr, g_ptr, mat, gidx, rv, DV: tl.constexpr, DK: tl.const
     """Rows ``rv`` of a read copy in the format's own layout, for ``matvec``: (values_a,
     values_b, scale). fp32/16/bf16: ([BV, DKP], same, 1). fp8: ([BV, DKP/32, 32], same, block
     scales [BV, DKP/32]). NVFP4: (even elements [BV, DKP/16, 8], odd elements, block scale x
-    global scale [BV, DKP/16]; ``gidx`` from ``global_scale_index``). Nothing is expanded to [BV, DKP] with per-element scale loads.
+    global scale [BV, DKP/16]; ``gidx`` from ``global_scale_index``). Nothing is expanded to [BV,
+    DKP] with per-element scale loads.
     Columns past the stored row are zero (fp8 and NVFP4 read whole stored blocks, whose padding
     holds zeros)."""
     row = mat * DV + rv

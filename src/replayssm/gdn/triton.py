@@ -554,7 +554,9 @@ def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, de
     finish advances it (``advance_row``), each program solving its refresh and preparing its inputs
     itself (``_gdn_step_program``): q, k, g, beta (GATE: a, b, A_log, dt_bias) are the caller's,
     read through their strides (sq*, sk*, sg*, sb*, s_alog, s_dtb), ``parents`` a draft tree
-    (TREE; its pending tree stored by program (0, 0, c), ``window.pending_tree``). Otherwise DUE = ``launch.EVERY_SLOT``: c is the batch row; ``launch.NOT_DUE``:
+    (TREE; its pending tree stored by program (0, 0, c), ``window.pending_tree``). Otherwise DUE =
+    ``launch.EVERY_SLOT``: c is the batch row; ``launch.DUE_FIRST``: batch row due[1 + c], the
+    slots due first (``window.list_due``); ``launch.NOT_DUE``:
     the same, but a slot due to refresh is left to a ``launch.DUE_ONLY`` launch; DUE_ONLY: c takes
     the slots due of ranks c, c + n, ... (``window.list_due``, n programs per tile), each refreshed
     (REFRESH) and stepped. The decays of every draft, along its own path for a tree, are in the
