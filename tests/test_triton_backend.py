@@ -192,10 +192,22 @@ def test_a_step_launch_that_misses_a_row_in_its_due_first_order_is_detected(arch
 
 
 @pytest.mark.parametrize("arch", ["mamba2", "gdn"])
-@pytest.mark.parametrize("precision", ["tp8_hi32", "tp4_hi16_sr", "f4_sr_rs", "bf16_rs"])
+@pytest.mark.parametrize("precision", ["tp8_hi32", "tp4_hi16_sr", "f4_sr_rs", "bf16_rs", "tp4_hi16_sr@dot"])
 def test_triton_low_precision_agrees_with_torch_backend(arch, precision):
     """Same inputs through both backends: outputs agree to the read format's rounding, the
-    anchors stay close, and the counters are identical."""
+    anchors stay close, and the counters are identical. ``@dot``: every step's read-copy products
+    streamed on tensor cores, as large batches of NVFP4 steps take them (``launch.SHAPES``)."""
+    from replayssm._triton import launch
+
+    precision, _, dot = precision.partition("@")
+    launch.TUNING.update(dict(output_dot=True, stream=2) if dot else {})
+    try:
+        _agrees_with_torch_backend(arch, precision)
+    finally:
+        launch.TUNING.clear()
+
+
+def _agrees_with_torch_backend(arch, precision):
     base = helpers.make_layer(arch, 0, **GEOMETRY[arch])
     tl_layer = TritonLayer(arch)
     caches = [base.cache(3, window=8, max_draft=2, precision=precision) for _ in range(2)]
@@ -544,8 +556,8 @@ def test_step_beside_the_slots_due_leaves_them_to_their_own_launch(arch):
 
 def test_step_shapes_follow_the_policy():
     """``launch.step_shape``: the table by draft length, rows kept to whole fold sub-tiles and
-    NVFP4 row blocks (one or several; of fewer than 32 rows for small or odd dv), no tensor-core products for an
-    NVFP4 read copy, sweep labels; ``launch.column_pad``: dk padded to a power of two >= 16, >= 32
+    NVFP4 row blocks (one or several; of fewer than 32 rows for small or odd dv), the entries that differ
+    below batch 64 (``launch.SMALL_BATCH_SHAPES``), sweep labels; ``launch.column_pad``: dk padded to a power of two >= 16, >= 32
     with fp8."""
     from replayssm._triton import launch
 
@@ -570,11 +582,19 @@ def test_step_shapes_follow_the_policy():
     assert launch.step_shape(kda, "kda", 1).split and not launch.step_shape(kda, "kda", 1).beside
     assert not launch.step_shape(kda, "kda", 1, batch=32).beside
     four = launch.step_shape(wide, "gdn", 4)
-    assert (four.rows, four.output_dot, four.stream, four.split, four.refresh_maxnreg) == (32, True, 3, True, 128)
-    assert not launch.step_shape(wide, "gdn", 4, batch=8).split  # small batches: the refresh a branch
+    assert (four.rows, four.warps, four.output_dot, four.stream, four.split, four.refresh_maxnreg) == (
+        64, 2, True, 3, True, 128)
+    four_small = launch.step_shape(wide, "gdn", 4, batch=8)  # small batches: the refresh a branch, 32 rows
+    assert not four_small.split and (four_small.rows, four_small.warps, four_small.output_dot) == (32, 1, True)
     assert launch.step_shape(wide, "gdn", 3).pin == 16  # the T = 1 entry still applies
-    fp4 = rs.GDNCache(1, 1, 2, 32, 128, precision="tp4_hi32")
-    assert launch.step_shape(fp4, "gdn", 4).rows == 32 and not launch.step_shape(fp4, "gdn", 4).output_dot
+    half = rs.GDNCache(1, 1, 2, 32, 128, precision="tp16_hi32")  # 2-byte read copies: products from 3 drafts
+    assert launch.step_shape(half, "gdn", 3)[:2] == (64, 2) and launch.step_shape(half, "gdn", 3).output_dot
+    assert not launch.step_shape(half, "gdn", 2).output_dot
+    fp4 = rs.GDNCache(1, 1, 2, 32, 128, precision="tp4_hi32")  # NVFP4: streamed products but small decodes
+    assert [launch.step_shape(fp4, "gdn", T, batch=b)[:5] for T, b in ((1, 256), (4, 256), (1, 8), (4, 8))] == [
+        (32, 1, 0, True, 2), (32, 1, 0, True, 2), (32, 4, 0, False, 0), (32, 1, 0, True, 2)]
+    m4 = rs.Mamba2Cache(1, 2, 64, 128, precision="tp4_hi32")
+    assert [launch.step_shape(m4, "mamba2", T)[:5] for T in (1, 2)] == [(32, 4, 0, False, 0), (32, 2, 0, True, 2)]
     small = rs.Mamba2Cache(1, 2, 16, 32)
     assert launch.step_shape(small, "mamba2").rows == 16
     for arch, cache in (("gdn", wide), ("mamba2", m8), ("kda", kda)):  # one launch for the smallest steps

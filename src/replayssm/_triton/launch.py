@@ -461,14 +461,26 @@ class StepShape(NamedTuple):
 #: - GDN verify of 4 drafts takes its read-copy products on tensor cores, streamed (805.0; loaded
 #:   whole 934.5, row reductions 877.3), of exact operands from 2-byte and fp8 read copies
 #:   (``formats.exact_operand_products``: tp16_hi32 679.0 against 697.9 as 3-pass tf32); Mamba-2's
-#:   verify keeps row reductions in 1-warp programs (639.1; 2 warps 892.4, streamed products 726.8);
+#:   verify keeps row reductions in 1-warp programs (639.1; 2 warps 892.4, streamed products 726.8;
+#:   measured again: s32_rs 577.8 against 627.8 to 701.0 streamed at 32 x 1, 32 x 2 and 64 x 2);
+#: - those GDN products in programs of 64 rows x 2 warps from fp32 and 2-byte read copies (one run:
+#:   s32_rs 656.2 against 689.1 at 32 x 1, 8 drafts 1136.1 against 1217.6; tp16_hi32 627.1 against
+#:   663.6, tpbf16_hi32 620.9 against 664.4; fp8 647.7 to 663.9 against 687.8 but slower at batch
+#:   32, kept at 32 x 1), for 2-byte read copies from 3 drafts on (tp16_hi32 589.9 against 928.6
+#:   with row reductions);
+#: - NVFP4 read copies: the products streamed on tensor cores, GDN (and KDA) in 32-row 1-warp
+#:   programs, 2 chunks in flight (one run: decode tp4_hi32 359.5 against 425.7 with row reductions
+#:   at 32 x 4, verify of 2 drafts 524.9 against 1000.9, of 4 825.1 against 2235.9; KDA 1098.2
+#:   against 1821.9), Mamba-2 in 2-warp programs from 2 drafts on (779.9 against 945.2; 32 x 1
+#:   663.6 but 168.2 against 140.1 at batch 32), its decode with row reductions at 32 x 4 (311.0;
+#:   streamed at 32 x 1 293.8 but 60.2 against 50.4 at batch 32);
 #: - a pin of 16 elements per thread for GDN decode from fp32 and Mamba-2 verify of 4 drafts from
 #:   2-byte read copies (515.3 against 543.5 unpinned); none elsewhere (GDN decode tp16_hi32 299.1
 #:   against 313.8 pinned, Mamba-2 verify of 2 drafts tp16_hi32 309.7 against 332.3);
 #: - 3 fold stages in flight in a refresh launch, 2 in a branch (GDN decode 443.9 against 466.0 at 1).
 #:
-#: One warp per 32 rows keeps row reductions inside a warp; NVFP4 takes 4 warps (one cannot hide
-#: its nibble decoding). The pin: Triton loads an fp32 tile 4 elements per thread and an fp16 tile
+#: One warp per 32 rows keeps row reductions inside a warp; NVFP4 row reductions take 4 warps (one
+#: cannot hide its nibble decoding). The pin: Triton loads an fp32 tile 4 elements per thread and an fp16 tile
 #: 8, spreading a 128-wide row over a whole warp, so every row reduction ends in 5 rounds of
 #: shuffles; pinned to 16 per thread, 3. bf16 read copies take fp16's entries.
 BASE_SHAPE = StepShape(rows=32, warps=1, pin=0, output_dot=False, stream=0, split=True, stages=3)
@@ -481,14 +493,25 @@ SHAPES = {
     ("mamba2", "bf16"): ((1, dict(split=False, stages=2, beside=True)), (2, dict(split=False)),
                          (4, dict(pin=16, split=False))),
     ("mamba2", "fp8_e4m3"): ((1, dict(beside=True)), (2, {})),
-    ("mamba2", "nvfp4"): ((1, dict(warps=4, refresh_warps=4)),),
+    ("mamba2", "nvfp4"): ((1, dict(warps=4, refresh_warps=4)),
+                          (2, dict(warps=2, refresh_warps=4, output_dot=True, stream=2))),
     ("gdn", "fp32"): ((1, dict(pin=16, refresh_maxnreg=128, **_BESIDE)),
-                      (4, dict(refresh_maxnreg=128, maxnreg=168, **_VERIFY_DOT))),
-    ("gdn", "fp16"): ((1, dict(refresh_maxnreg=168, **_BESIDE)), (4, dict(refresh_maxnreg=168, **_VERIFY_DOT))),
-    ("gdn", "bf16"): ((1, dict(refresh_maxnreg=168, **_BESIDE)), (4, dict(refresh_maxnreg=168, **_VERIFY_DOT))),
+                      (4, dict(rows=64, warps=2, refresh_maxnreg=128, maxnreg=168, **_VERIFY_DOT))),
+    ("gdn", "fp16"): ((1, dict(refresh_maxnreg=168, **_BESIDE)),
+                      (3, dict(rows=64, warps=2, refresh_maxnreg=168, **_VERIFY_DOT))),
+    ("gdn", "bf16"): ((1, dict(refresh_maxnreg=168, **_BESIDE)),
+                      (3, dict(rows=64, warps=2, refresh_maxnreg=168, **_VERIFY_DOT))),
     ("gdn", "fp8_e4m3"): ((1, dict(refresh_maxnreg=128)),
                           (4, dict(refresh_maxnreg=128, beside=True, **_VERIFY_DOT))),
-    ("gdn", "nvfp4"): ((1, dict(warps=4)),),
+    ("gdn", "nvfp4"): ((1, dict(output_dot=True, stream=2)),),
+}
+#: Entries of ``SHAPES`` that differ below SPLIT_MIN_BATCH rows, in the same form, applied over
+#: them: where fewer programs share the GPU, smaller or reduction-bound programs measured faster
+#: (H200, batch 32, us per step): GDN verify of 4 drafts from fp32 117.4 at 32 rows x 1 warp against
+#: 123.3 at 64 x 2; GDN decode from NVFP4 69.4 with row reductions at 32 x 4 against 74.7 streamed.
+SMALL_BATCH_SHAPES = {
+    ("gdn", "fp32"): ((4, dict(rows=32, warps=1)),),
+    ("gdn", "nvfp4"): ((1, dict(warps=4, output_dot=False, stream=0)), (2, {})),
 }
 # KDA's step kernel runs GDN's inner loop (its per-channel decays are applied in the scores launch):
 # GDN's shapes, not swept for KDA on their own, with the refresh in a launch of their own where GDN
@@ -496,6 +519,8 @@ SHAPES = {
 SHAPES.update({("kda", fmt): tuple((least, dict(fields, beside=False, split=True) if fields.get("beside") else fields)
                                    for least, fields in entries)
                for (arch, fmt), entries in list(SHAPES.items()) if arch == "gdn"})
+SMALL_BATCH_SHAPES.update({("kda", fmt): entries for (arch, fmt), entries in list(SMALL_BATCH_SHAPES.items())
+                           if arch == "gdn"})
 
 #: Overrides of ``step_shape``'s fields for benchmark sweeps ({"rows": 64, "warps": 2, ...});
 #: ``parse_shape`` reads them from a label. Empty in normal use.
@@ -582,11 +607,15 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
     80, 8 for dv = 8 or 24) where dv is not a multiple of FOLD_ROWS or is at most FOLD_ROWS: a
     program owns whole NVFP4 global-scale blocks (``formats.global_scale_index``), one or several."""
     fmt = cache.precision.read_format.name
-    found = BASE_SHAPE
+    found, small = BASE_SHAPE, {}
     for least, fields in SHAPES[(arch, fmt)]:
         if T >= least:
             found = BASE_SHAPE._replace(**fields)
     if batch < SPLIT_MIN_BATCH:
+        for least, fields in SMALL_BATCH_SHAPES.get((arch, fmt), ()):
+            if T >= least:
+                small = fields
+        found = found._replace(**small)
         first = arch in DUE_FIRST_ARCHS and (arch not in SIDE_STREAM_ARCHS or (
             batch <= DUE_FIRST_MAX_BATCH and batch * T <= 2 * cache.window))
         found = found._replace(split=False, due_first=first,
