@@ -590,6 +590,8 @@ def test_step_shapes_follow_the_policy():
     half = rs.GDNCache(1, 1, 2, 32, 128, precision="tp16_hi32")  # 2-byte read copies: products from 3 drafts
     assert launch.step_shape(half, "gdn", 3)[:2] == (64, 2) and launch.step_shape(half, "gdn", 3).output_dot
     assert not launch.step_shape(half, "gdn", 2).output_dot
+    eight = rs.GDNCache(1, 1, 2, 32, 128, precision="tp8_hi32")
+    assert [launch.step_shape(eight, "gdn", 4, batch=b)[:2] for b in (256, 32)] == [(64, 1), (32, 1)]
     fp4 = rs.GDNCache(1, 1, 2, 32, 128, precision="tp4_hi32")  # NVFP4: streamed products but small decodes
     assert [launch.step_shape(fp4, "gdn", T, batch=b)[:5] for T, b in ((1, 256), (4, 256), (1, 8), (4, 8))] == [
         (32, 1, 0, True, 2), (32, 1, 0, True, 2), (32, 4, 0, False, 0), (32, 1, 0, True, 2)]
