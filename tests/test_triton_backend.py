@@ -587,11 +587,13 @@ def test_step_shapes_follow_the_policy():
     four_small = launch.step_shape(wide, "gdn", 4, batch=8)  # small batches: the refresh a branch, 32 rows
     assert not four_small.split and (four_small.rows, four_small.warps, four_small.output_dot) == (32, 1, True)
     assert launch.step_shape(wide, "gdn", 3).pin == 16  # the T = 1 entry still applies
-    half = rs.GDNCache(1, 1, 2, 32, 128, precision="tp16_hi32")  # 2-byte read copies: products from 3 drafts
-    assert launch.step_shape(half, "gdn", 3)[:2] == (64, 2) and launch.step_shape(half, "gdn", 3).output_dot
-    assert not launch.step_shape(half, "gdn", 2).output_dot
-    eight = rs.GDNCache(1, 1, 2, 32, 128, precision="tp8_hi32")
-    assert [launch.step_shape(eight, "gdn", 4, batch=b)[:2] for b in (256, 32)] == [(64, 1), (32, 1)]
+    half = rs.GDNCache(1, 1, 2, 32, 128, precision="tp16_hi32")  # 2-byte read copies: products from 2 drafts
+    assert launch.step_shape(half, "gdn", 2)[:2] == (64, 2) and launch.step_shape(half, "gdn", 2).output_dot
+    assert not launch.step_shape(half, "gdn", 1).output_dot
+    eight = rs.GDNCache(1, 1, 2, 32, 128, precision="tp8_hi32")  # fp8: the small batches' own entries
+    assert [launch.step_shape(eight, "gdn", T, batch=b)[:5] for T, b in ((2, 256), (2, 32), (4, 256), (4, 32))] == [
+        (64, 1, 0, True, 3), (32, 1, 0, False, 0), (64, 1, 0, True, 3), (32, 1, 0, True, 3)]
+    assert not launch.step_shape(eight, "gdn", 2).beside and launch.step_shape(eight, "gdn", 4).beside
     fp4 = rs.GDNCache(1, 1, 2, 32, 128, precision="tp4_hi32")  # NVFP4: streamed products but small decodes
     assert [launch.step_shape(fp4, "gdn", T, batch=b)[:5] for T, b in ((1, 256), (4, 256), (1, 8), (4, 8))] == [
         (32, 1, 0, True, 2), (32, 1, 0, True, 2), (32, 4, 0, False, 0), (32, 1, 0, True, 2)]

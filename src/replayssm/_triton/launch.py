@@ -450,7 +450,7 @@ class StepShape(NamedTuple):
 #:   its own elsewhere: a branch gives every program the refresh's registers (Mamba-2 tp8_hi32 decode
 #:   222.1 against 238.5 as a branch, GDN verify s32_rs 695.0 against 779.4);
 #: - the slots due on a side stream beside the others' step (``beside``): GDN decode from fp32 and
-#:   2-byte read copies (s32_rs 365.3 against 377.4 in order), GDN verify from fp8 (904.7 against
+#:   2-byte read copies (s32_rs 365.3 against 377.4 in order), GDN verify of 4 drafts from fp8 (904.7 against
 #:   928.3), Mamba-2 decode from 2-byte and fp8 read copies (tp8_hi32 188.8 against 198.7); not taken
 #:   where slower or no faster (Mamba-2 s32_rs decode 325.0 against 303.4, GDN verify s32_rs 803.9
 #:   against 808.1; the launch over the slots due with 2 or 4 warps: GDN decode 388.5, 448.2);
@@ -465,8 +465,11 @@ class StepShape(NamedTuple):
 #:   measured again: s32_rs 577.8 against 627.8 to 701.0 streamed at 32 x 1, 32 x 2 and 64 x 2);
 #: - those GDN products in programs of 64 rows x 2 warps from fp32 and 2-byte read copies (one run:
 #:   s32_rs 656.2 against 689.1 at 32 x 1, 8 drafts 1136.1 against 1217.6; tp16_hi32 627.1 against
-#:   663.6, tpbf16_hi32 620.9 against 664.4; fp8 at 64 x 1, 647.7 against 687.8), for 2-byte read
-#:   copies from 3 drafts on (tp16_hi32 589.9 against 928.6 with row reductions);
+#:   663.6, tpbf16_hi32 620.9 against 664.4; fp8 at 64 x 1, 647.7 against 687.8), from 2 drafts on
+#:   for 2-byte and fp8 read copies (H100, one run, against the decode shapes: tp16_hi32 454.1
+#:   against 602.6 for 2 drafts, 585.9 against 1050.4 for 3; tp8_hi32 421.2 against 463.3, 577.1
+#:   against 634.4; KDA tp16_hi32 552.0 against 616.4, 763.0 against 952.0), with the refresh a
+#:   launch of its own (tp16_hi32 485.2 and 637.1 with the slots due beside);
 #: - NVFP4 read copies: the products streamed on tensor cores, GDN (and KDA) in 32-row 1-warp
 #:   programs, 2 chunks in flight (one run: decode tp4_hi32 359.5 against 425.7 with row reductions
 #:   at 32 x 4, verify of 2 drafts 524.9 against 1000.9, of 4 825.1 against 2235.9; KDA 1098.2
@@ -497,21 +500,22 @@ SHAPES = {
     ("gdn", "fp32"): ((1, dict(pin=16, refresh_maxnreg=128, **_BESIDE)),
                       (4, dict(rows=64, warps=2, refresh_maxnreg=128, maxnreg=168, **_VERIFY_DOT))),
     ("gdn", "fp16"): ((1, dict(refresh_maxnreg=168, **_BESIDE)),
-                      (3, dict(rows=64, warps=2, refresh_maxnreg=168, **_VERIFY_DOT))),
+                      (2, dict(rows=64, warps=2, refresh_maxnreg=168, **_VERIFY_DOT))),
     ("gdn", "bf16"): ((1, dict(refresh_maxnreg=168, **_BESIDE)),
-                      (3, dict(rows=64, warps=2, refresh_maxnreg=168, **_VERIFY_DOT))),
-    ("gdn", "fp8_e4m3"): ((1, dict(refresh_maxnreg=128)),
+                      (2, dict(rows=64, warps=2, refresh_maxnreg=168, **_VERIFY_DOT))),
+    ("gdn", "fp8_e4m3"): ((1, dict(refresh_maxnreg=128)), (2, dict(rows=64, refresh_maxnreg=128, **_VERIFY_DOT)),
                           (4, dict(rows=64, refresh_maxnreg=128, beside=True, **_VERIFY_DOT))),
     ("gdn", "nvfp4"): ((1, dict(output_dot=True, stream=2)),),
 }
 #: Entries of ``SHAPES`` that differ below SPLIT_MIN_BATCH rows, in the same form, applied over
 #: them: where fewer programs share the GPU, smaller or reduction-bound programs measured faster
 #: (H200, batch 32, us per step): GDN verify of 4 drafts from fp32 117.4 at 32 rows x 1 warp against
-#: 123.3 at 64 x 2, from fp8 116.4 against 122.4 at 64 x 1; GDN decode from NVFP4 69.4 with row
-#: reductions at 32 x 4 against 74.7 streamed.
+#: 123.3 at 64 x 2, from fp8 116.4 against 122.4 at 64 x 1 (2 and 3 drafts: row reductions, H100
+#: 78.0 against 81.0 streamed at 32 x 1); GDN decode from NVFP4 69.4 with row reductions at 32 x 4
+#: against 74.7 streamed.
 SMALL_BATCH_SHAPES = {
     ("gdn", "fp32"): ((4, dict(rows=32, warps=1)),),
-    ("gdn", "fp8_e4m3"): ((4, dict(rows=32)),),
+    ("gdn", "fp8_e4m3"): ((2, dict(rows=32, output_dot=False, stream=0)), (4, dict(rows=32))),
     ("gdn", "nvfp4"): ((1, dict(warps=4, output_dot=False, stream=0)), (2, {})),
 }
 # KDA's step kernel runs GDN's inner loop (its per-channel decays are applied in the scores launch):
