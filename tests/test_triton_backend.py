@@ -556,9 +556,9 @@ def test_step_beside_the_slots_due_leaves_them_to_their_own_launch(arch):
 
 def test_step_shapes_follow_the_policy():
     """``launch.step_shape``: the table by draft length, rows kept to whole fold sub-tiles and
-    NVFP4 row blocks (one or several; of fewer than 32 rows for small or odd dv), the entries that differ
-    below batch 64 (``launch.SMALL_BATCH_SHAPES``), sweep labels; ``launch.column_pad``: dk padded to a power of two >= 16, >= 32
-    with fp8."""
+    NVFP4 row blocks (one or several; of fewer than 32 rows for small or odd dv), the entries that
+    differ below batch 64 (``launch.SMALL_BATCH_SHAPES``), sweep labels; ``launch.column_pad``: dk
+    padded to a power of two >= 16, >= 32 with fp8."""
     from replayssm._triton import launch
 
     wide = rs.GDNCache(1, 1, 2, 32, 128, precision="s32_rs")

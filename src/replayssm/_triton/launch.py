@@ -450,8 +450,9 @@ class StepShape(NamedTuple):
 #:   its own elsewhere: a branch gives every program the refresh's registers (Mamba-2 tp8_hi32 decode
 #:   222.1 against 238.5 as a branch, GDN verify s32_rs 695.0 against 779.4);
 #: - the slots due on a side stream beside the others' step (``beside``): GDN decode from fp32 and
-#:   2-byte read copies (s32_rs 365.3 against 377.4 in order), GDN verify of 4 drafts from fp8 (904.7 against
-#:   928.3), Mamba-2 decode from 2-byte and fp8 read copies (tp8_hi32 188.8 against 198.7); not taken
+#:   2-byte read copies (s32_rs 365.3 against 377.4 in order), GDN verify of 4 drafts from fp8
+#:   (904.7 against 928.3), Mamba-2 decode from 2-byte and fp8 read copies (tp8_hi32 188.8 against
+#:   198.7); not taken
 #:   where slower or no faster (Mamba-2 s32_rs decode 325.0 against 303.4, GDN verify s32_rs 803.9
 #:   against 808.1; the launch over the slots due with 2 or 4 warps: GDN decode 388.5, 448.2);
 #: - GDN's refresh launch under a register cap (its loop over the slots due took 218 registers):
