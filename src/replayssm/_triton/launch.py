@@ -452,9 +452,9 @@ class StepShape(NamedTuple):
 #: - the slots due on a side stream beside the others' step (``beside``): GDN decode from fp32 and
 #:   2-byte read copies (s32_rs 365.3 against 377.4 in order), GDN verify of 4 drafts from fp8
 #:   (904.7 against 928.3), Mamba-2 decode from 2-byte and fp8 read copies (tp8_hi32 188.8 against
-#:   198.7); not taken
-#:   where slower or no faster (Mamba-2 s32_rs decode 325.0 against 303.4, GDN verify s32_rs 803.9
-#:   against 808.1; the launch over the slots due with 2 or 4 warps: GDN decode 388.5, 448.2);
+#:   198.7); not taken where slower or no faster (Mamba-2 s32_rs decode 325.0 against 303.4, GDN
+#:   verify s32_rs 803.9 against 808.1; the launch over the slots due with 2 or 4 warps: GDN decode
+#:   388.5, 448.2);
 #: - GDN's refresh launch under a register cap (its loop over the slots due took 218 registers):
 #:   decode s32_rs 390.2 at 128 (407.4 uncapped), tp16_hi32 341.5 at 168 (344.0 at 128); GDN verify
 #:   from fp32 caps the step kernel at 168 (794.9 against 831.2, no spills). NVFP4 takes none (a cap
