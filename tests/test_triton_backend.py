@@ -78,7 +78,7 @@ WIDE = {"mamba2": dict(nheads=2, headdim=64, dstate=32, ngroups=1),
 @pytest.mark.parametrize("arch, variant", [("mamba2", "default"), ("gdn", "default"),
                                            ("mamba2", "window8"), ("gdn", "window8"),
                                            ("mamba2", "rows64"), ("gdn", "rows64"),
-                                           ("gdn", "output_dot"), ("gdn", "stream"), ("mamba2", "stream"),
+                                           ("gdn", "stream"), ("mamba2", "stream"),
                                            ("mamba2", "split"), ("gdn", "split"), ("gdn", "beside"),
                                            ("gdn", "beside_split"), ("mamba2", "beside"), ("gdn", "fused"),
                                            ("mamba2", "fused")])
@@ -86,7 +86,7 @@ def test_triton_s32_matches_float64_reference(arch, variant):
     """Decode and verify rounds of every draft length and accept count, with pads and staggered
     slots, across refreshes: the default launch policy at a full 16-entry window (every step of
     the residual solve runs) and at 8; 64-row programs folding two 32-row sub-tiles; the read-copy
-    products on tensor cores at every draft length (GDN: loaded whole or streamed); and the
+    products on tensor cores at every draft length (streamed); and the
     refresh in a launch of its own, whose one program per tile (``launch.refresh_grid`` of 4 slots)
     refreshes every slot due in turn; and the slots due refreshed and stepped in a launch of their
     own (``StepShape.beside``: each refresh a branch of its step, or after a refresh launch), the
@@ -96,8 +96,7 @@ def test_triton_s32_matches_float64_reference(arch, variant):
     layer = TritonLayer(arch, **(WIDE[arch] if variant == "rows64" else {}))
     window = 8 if variant == "window8" else 16
     tr = helpers.Tracker(layer, layer.cache(4, window=window, max_draft=4), seed=3)
-    launch.TUNING.update({"rows64": dict(rows=64), "output_dot": dict(output_dot=True, stream=0),
-                          "stream": dict(output_dot=True, stream=2), "split": dict(split=True),
+    launch.TUNING.update({"rows64": dict(rows=64), "stream": dict(output_dot=True, stream=2), "split": dict(split=True),
                           "beside": dict(split=False, beside=True),
                           "beside_split": dict(split=True, beside=True), "fused": dict(fused=True)}.get(variant, {}))
     try:
@@ -236,14 +235,12 @@ def _agrees_with_torch_backend(arch, precision):
 @pytest.mark.parametrize("arch", ["gdn", "kda", "mamba2"])
 @pytest.mark.parametrize("preset, tuning", [("tp16_hi32", {}), ("tpbf16_hi32", {}), ("tp8_hi32", {}),
                                             ("tp4_hi32", dict(rows=64, output_dot=True, stream=2)),
-                                            ("tp4_hi32", dict(rows=32, output_dot=True, stream=2)),
-                                            ("tp4_hi32", dict(output_dot=True, stream=0))])
+                                            ("tp4_hi32", dict(rows=32, output_dot=True, stream=2))])
 def test_verify_products_from_narrow_read_copies_are_fp32_accurate(arch, preset, tuning):
     """A verify of 4 drafts right after a load computes its outputs from the read copy alone, its
     products on tensor cores with the read copy's values as they are stored and the keys and queries
     split into 16-bit pieces (``formats.exact_operand_products``; NVFP4 values times their block
-    scales in fp16, streamed over programs of one or two global-scale blocks, or decoded whole;
-    Mamba-2 always streamed): against the float64 recurrence started from the decoded read copy,
+    scales in fp16, streamed over programs of one or two global-scale blocks): against the float64 recurrence started from the decoded read copy,
     within fp32 accuracy. Started from the state that was loaded instead, the reference differs by
     the read format's rounding, which the bound catches (a single pass over 16-bit keys and queries
     would round them alike)."""
@@ -358,12 +355,12 @@ def test_triton_heads_of_16_row_multiples_match_float64(arch):
 #: from dk on; fp8 rows of one and two scale blocks, NVFP4 rows of two and three), dv = 3 with
 #: dk = 5 (1-row programs, an NVFP4 global scale per row). The refresh a branch of the step, or a
 #: launch of its own (split); GDN's verify products on tensor cores streamed (fp32, the default for
-#: 4 drafts) or loaded whole (output_dot), or row reductions (NVFP4); its decode from 2-byte and fp8
+#: 4 drafts; fp8 at dv = 24, dk = 48), or row reductions; its decode from 2-byte and fp8
 #: read copies at dk = 24 (a masked tile) and dk = 40 (fp8: a stored scale block of padding past 40);
 #: the step of one launch (``StepShape.fused``) from fp8 and NVFP4 read copies.
 ANY_DIMS = [("mamba2", 8, 24, "s32_rs", {}), ("mamba2", 24, 48, "tp8_hi32", dict(split=True)),
             ("mamba2", 3, 5, "tp4_hi32", {}), ("gdn", 24, 24, "s32_rs", {}),
-            ("gdn", 8, 48, "tp4_hi32", dict(split=True)), ("gdn", 24, 48, "tp8_hi32", dict(output_dot=True, stream=0)),
+            ("gdn", 8, 48, "tp4_hi32", dict(split=True)), ("gdn", 24, 48, "tp8_hi32", dict(output_dot=True)),
             ("gdn", 8, 24, "tp16_hi32", {}), ("gdn", 24, 40, "tp8_hi32", {}),
             ("gdn", 24, 48, "tp8_hi32", dict(fused=True)), ("mamba2", 3, 5, "tp4_hi32", dict(fused=True, warps=4))]
 
@@ -618,6 +615,11 @@ def test_step_shapes_follow_the_policy():
     finally:
         launch.TUNING.clear()
     assert launch.parse_shape("64x4ok3") == dict(rows=64, warps=4, output_dot=True, stream=3)
+    try:  # products on tensor cores are always streamed: 2 chunks in flight where a label gives none
+        launch.TUNING.update(launch.parse_shape("32x1o"))
+        assert launch.step_shape(wide, "gdn", 1).stream == 2 and launch.step_shape(wide, "gdn", 4).stream == 3
+    finally:
+        launch.TUNING.clear()
     assert launch.parse_shape("32x1v16") == dict(rows=32, warps=1, pin=16)
     assert launch.parse_shape("32x1v16fb") == dict(rows=32, warps=1, pin=16, split=False, beside=True)
     assert launch.parse_shape("32x1s4n2r168") == dict(rows=32, warps=1, split=True, refresh_warps=4, stages=2,

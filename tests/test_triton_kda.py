@@ -73,14 +73,14 @@ def test_triton_decode_matches_float64_over_refreshes():
 def test_triton_verify_rounds_match_float64(variant):
     """Verify rounds with random draft lengths and accept counts across refreshes: the refresh a
     launch of its own (read-copy products of 4 drafts streamed on tensor cores, of fewer as
-    matvecs), or a branch of the step with every step's read-copy products on tensor cores,
-    loaded whole."""
+    matvecs), or a branch of the step with every step's read-copy products streamed on tensor
+    cores."""
     layer = make_layer(1)
     tr = helpers.Tracker(layer, layer.cache(4, window=8, max_draft=4), seed=2)
     tr.load([0, 1, 2])
     tr.decode([1])
     tr.decode([2, 1])
-    launch.TUNING.update({"split": dict(split=True), "output_dot": dict(output_dot=True, stream=0)}[variant])
+    launch.TUNING.update({"split": dict(split=True), "output_dot": dict(output_dot=True)}[variant])
     try:
         _rounds(tr, rounds=14, seed=3)
     finally:

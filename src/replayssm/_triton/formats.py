@@ -405,25 +405,6 @@ def matvec(va, vb, sc, qa, qb, FMT: tl.constexpr):
 
 
 @triton.jit
-def dequantize(va, vb, sc, FMT: tl.constexpr):
-    """``load_read``'s parts as one fp32 tile [BV, DK] (values times their scales)."""
-    if FMT <= 2:
-        return va
-    elif FMT == 3:
-        return tl.reshape(va * sc[:, :, None], (va.shape[0], va.shape[1] * 32))
-    else:  # even and odd elements of each 16-element block interleaved back
-        both = tl.join(va * sc[:, :, None], vb * sc[:, :, None])  # [BV, DK/16, 8, 2]
-        return tl.reshape(both, (va.shape[0], va.shape[1] * 16))
-
-
-@triton.jit
-def products_on_tensor_cores(va, vb, sc, Q, FMT: tl.constexpr):
-    """S_read Q^T [BV, QP] for query rows Q [QP, DK] fp32, as one 3-pass-tf32 tensor-core product
-    instead of QP row reductions across threads; ``column`` takes one query's column out."""
-    return tl.dot(dequantize(va, vb, sc, FMT), tl.trans(Q), input_precision="tf32x3")
-
-
-@triton.jit
 def _tf32_high(x):
     """fp32 x rounded to tf32 (10 mantissa bits) to nearest, ties away from zero, as ``cvt.rna.tf32``
     rounds the large part of 3-pass tf32 (infinities and NaN stay what they are)."""
@@ -508,8 +489,9 @@ def _nvfp4_chunk(v_ptr, s_ptr, row, k0, W: tl.constexpr, KB: tl.constexpr):
 def streamed_products(v_ptr, s_ptr, g_ptr, mat, gidx, rv, a_ptr, b_ptr, pid_b, hidx, sqb, sqt, sqh, sqe,
                       T: tl.constexpr, ROWS: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, FMT: tl.constexpr,
                       QP: tl.constexpr, KB: tl.constexpr, STAGES: tl.constexpr):
-    """``products_on_tensor_cores`` without the read copy's tile in registers: S_read Q^T [BV, QP]
-    accumulated over KB columns at a time, in a loop that Triton software-pipelines (STAGES
+    """S_read Q^T [BV, QP] on tensor cores, instead of QP row reductions across threads (``column``
+    takes one query's column out), without the read copy's tile in registers: accumulated over KB
+    columns at a time, in a loop that Triton software-pipelines (STAGES
     chunks in flight through shared memory), so a program holds one [BV, KB] chunk instead of
     [BV, DK]. Query row r < T is token r of ``a_ptr``, T <= r < ROWS (ROWS = T or 2T) token
     r - T of ``b_ptr`` (both [b, T, heads, DK] of strides sq*, any float dtype, head ``hidx``), other

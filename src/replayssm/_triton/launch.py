@@ -423,8 +423,9 @@ class StepShape(NamedTuple):
     rows: int        #: state rows of a head per program (a multiple of FOLD_ROWS, or the cache's row block)
     warps: int       #: warps per program
     pin: int         #: elements per thread pinned on the read-copy load (``formats.pin_vector_width``), 0 = none
-    output_dot: bool  #: the read-copy products of all queries as one tensor-core product (Mamba-2: streamed)
-    stream: int      #: with output_dot: chunks in flight of a streamed read copy, 0 = loaded whole
+    output_dot: bool  #: the read-copy products of all queries on tensor cores, the read copy streamed through
+    #: them in column chunks (``formats.streamed_products``), instead of a row reduction per query
+    stream: int      #: with output_dot: the read copy's chunks in flight (2 where a label gives none)
     split: bool = False  #: refresh in a launch of its own before the step (else a branch of the step)
     stages: int = 2  #: column chunks of a refresh's fold in flight (software-pipelined loop)
     maxnreg: int = 0  #: a register cap for the step kernel (ptxas), 0 = none
@@ -459,9 +460,10 @@ class StepShape(NamedTuple):
 #:   decode s32_rs 390.2 at 128 (407.4 uncapped), tp16_hi32 341.5 at 168 (344.0 at 128); GDN verify
 #:   from fp32 caps the step kernel at 168 (794.9 against 831.2, no spills). NVFP4 takes none (a cap
 #:   of 128 spills 1.4 KB with a 2-byte anchor);
-#: - GDN verify of 4 drafts takes its read-copy products on tensor cores, streamed (805.0; loaded
-#:   whole 934.5, row reductions 877.3), of exact operands from 2-byte and fp8 read copies
-#:   (``formats.exact_operand_products``: tp16_hi32 679.0 against 697.9 as 3-pass tf32); Mamba-2's
+#: - GDN verify of 4 drafts takes its read-copy products on tensor cores, streamed (805.0; from
+#:   the tile loaded whole 934.5, a form since deleted; row reductions 877.3), of exact operands
+#:   from 2-byte and fp8 read copies (``formats.exact_operand_products``: tp16_hi32 679.0 against
+#:   697.9 as 3-pass tf32); Mamba-2's
 #:   verify keeps row reductions in 1-warp programs (639.1; 2 warps 892.4, streamed products 726.8;
 #:   measured again: s32_rs 577.8 against 627.8 to 701.0 streamed at 32 x 1, 32 x 2 and 64 x 2);
 #: - those GDN products in programs of 64 rows x 2 warps from fp32 and 2-byte read copies (one run:
@@ -636,9 +638,7 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
         rows = cache.row_block
     elif rows % FOLD_ROWS or rows > cache.dv or cache.dv % rows:
         rows = FOLD_ROWS
-    stream = found.stream if found.output_dot else 0
-    if found.output_dot and arch == "mamba2":  # Mamba-2 takes its products streamed only
-        stream = max(stream, 2)
+    stream = (found.stream or 2) if found.output_dot else 0
     return found._replace(rows=rows, stream=stream)
 
 

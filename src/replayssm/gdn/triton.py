@@ -55,8 +55,7 @@ from .._triton.window import (ancestor_bits, draft_paths, due_slot, head_window,
                               new_key_query, pending_tree, program_item, slot_cursor, window_key_scales,
                               window_keys, window_raw_keys)
 from .._triton.formats import (as_query, as_stored, column, exact_b_products, global_scale_index, load_query,
-                               load_read, load_tile, matvec, pin_vector_width, products_on_tensor_cores,
-                               read_copy_from_anchor, streamed_products, within, write_checkpoint)
+                               load_read, load_tile, matvec, pin_vector_width, read_copy_from_anchor, streamed_products, within, write_checkpoint)
 
 
 @triton.jit
@@ -327,25 +326,6 @@ def _gdn_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
 
 
 @triton.jit
-def _window_loads(bu_ptr, q_ptr, k_ptr, row, pid_b, head, khead, h, rv, HV, HK, T: tl.constexpr, L: tl.constexpr,
-                  LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, OUTPUT_DOT: tl.constexpr,
-                  QP: tl.constexpr):
-    """What a step program reads of a window of h committed entries: (cached residuals U [BV, LP],
-    and with OUTPUT_DOT the step's keys and queries Q [QP, DKP] (zero from column DK on), else 0);
-    q, k the prepared, contiguous ones."""
-    j = tl.arange(0, LP)
-    U = tl.load(bu_ptr + ((row * L + j[None, :]) * HV + head) * DV + rv[:, None], mask=(j < h)[None, :], other=0.0)
-    Q = 0.0
-    if OUTPUT_DOT:
-        r = tl.arange(0, QP)[:, None]
-        ck = tl.arange(0, DKP)
-        at = ((pid_b * T + r % T) * HK + khead) * DK + ck[None, :]
-        m = (r < 2 * T) & within(ck, DK)[None, :]
-        Q = tl.where(r < T, tl.load(k_ptr + at, mask=m, other=0.0), tl.load(q_ptr + at, mask=m, other=0.0))
-    return U, Q
-
-
-@triton.jit
 def _token_loads(q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr, bv_ptr, pid_b, head,
                  khead, rv, HV, HK, T: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
                  DKP: tl.constexpr, R_FMT: tl.constexpr, OUTPUT_DOT: tl.constexpr):
@@ -470,15 +450,14 @@ def _gdn_step_program(
                               HK, L, LP, DV, DK, DKP, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
             tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
     h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
-    # the read copy in its own layout (the anchor itself when shared; with STREAM never whole),
-    # then everything else a program reads, all issued before any arithmetic
-    QLOAD: tl.constexpr = OUTPUT_DOT and not STREAM
-    if STREAM:
+    # the read copy in its own layout (the anchor itself when shared; never whole when its products
+    # are streamed), then everything else a program reads, all issued before any arithmetic
+    if OUTPUT_DOT:
         ra, rb, rsc = 0.0, 0.0, 0.0
     else:
         ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, DKP, R_FMT)
-    U, Q = _window_loads(bu_ptr, q_ptr, k_ptr, row, pid_b, head, khead, h, rv, HV, HK, T, L, LP, DV, DK, DKP, QLOAD,
-                         QP)
+    # the window's cached read-path residuals [BV, LP]
+    U = tl.load(bu_ptr + ((row * L + j[None, :]) * HV + head) * DV + rv[:, None], mask=(j < h)[None, :], other=0.0)
     if FUSED:
         tl.static_assert(not OUTPUT_DOT, "a step of one launch takes its read-copy products by row reductions")
         tokens_in, gammas = _prepared_tokens(
@@ -494,13 +473,10 @@ def _gdn_step_program(
             gammas = gammas + (tl.load(gammas_ptr + (pid_b * HV + head) * T + s),)
     if PIN:
         pin_vector_width(rv_ptr, mat, rv, ck, h < 0, DV, DK, PIN)
-    if OUTPUT_DOT:  # every S_read k_s and S_read q_s of the step in one product
-        if STREAM:  # columns: k_0..k_{T-1}, q_0..q_{T-1}
-            KB: tl.constexpr = 32 if DKP >= 32 else DKP  # one fp8 scale block (two NVFP4 ones), or the padded row
-            SQ = streamed_products(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, k_ptr, q_ptr, pid_b, khead,
-                                   T * HK * DK, HK * DK, DK, 1, T, 2 * T, DV, DK, R_FMT, QP, KB, STREAM)
-        else:
-            SQ = products_on_tensor_cores(ra, rb, rsc, Q, R_FMT)
+    if OUTPUT_DOT:  # every S_read k_s and S_read q_s of the step in one product; columns k_0..k_{T-1}, q_0..q_{T-1}
+        KB: tl.constexpr = 32 if DKP >= 32 else DKP  # one fp8 scale block (two NVFP4 ones), or the padded row
+        SQ = streamed_products(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, k_ptr, q_ptr, pid_b, khead,
+                               T * HK * DK, HK * DK, DK, 1, T, 2 * T, DV, DK, R_FMT, QP, KB, STREAM)
     for s in tl.static_range(T):
         t = h + s
         tok_in = pid_b * T + s

@@ -52,7 +52,6 @@ from .._triton.formats import (
     load_tile,
     matvec,
     pin_vector_width,
-    products_on_tensor_cores,
     read_copy_from_anchor,
     streamed_products,
     within,
@@ -315,31 +314,21 @@ def _kda_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, rk
                               DV, DK, DKP, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
             tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
     h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
-    # the read copy in its own layout (the anchor itself when shared; with STREAM never whole),
-    # then everything else a program reads, all issued before any arithmetic
-    QLOAD: tl.constexpr = OUTPUT_DOT and not STREAM
-    if STREAM:
+    # the read copy in its own layout (the anchor itself when shared; never whole when its products
+    # are streamed), then everything else a program reads, all issued before any arithmetic
+    if OUTPUT_DOT:
         ra, rb, rsc = 0.0, 0.0, 0.0
     else:
         ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, DKP, R_FMT)
     U = tl.load(bu_ptr + ((row * L + j[None, :]) * HV + head) * DV + rv[:, None], mask=(j < h)[None, :], other=0.0)
-    Q = 0.0
-    if QLOAD:  # rows: kd_0..kd_{T-1}, qd_0..qd_{T-1}, then zeros
-        r = tl.arange(0, QP)[:, None]
-        at = ((pid_b * T + r % T) * HV + head) * DK + ck[None, :]
-        m = (r < 2 * T) & within(ck, DK)[None, :]
-        Q = tl.where(r < T, tl.load(kd_ptr + at, mask=m, other=0.0), tl.load(qd_ptr + at, mask=m, other=0.0))
     tokens_in = _token_loads(qd_ptr, kd_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr, bv_ptr,
                              pid_b, head, head, rv, HV, HV, T, LP, DV, DK, DKP, R_FMT, OUTPUT_DOT)
     if PIN:
         pin_vector_width(rv_ptr, mat, rv, ck, h < 0, DV, DK, PIN)
     if OUTPUT_DOT:  # every S_read kd_s and S_read qd_s of the step in one product
-        if STREAM:
-            KB: tl.constexpr = 32 if DKP >= 32 else DKP  # one fp8 scale block (two NVFP4 ones), or the padded row
-            SQ = streamed_products(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, kd_ptr, qd_ptr, pid_b, head,
-                                   T * HV * DK, HV * DK, DK, 1, T, 2 * T, DV, DK, R_FMT, QP, KB, STREAM)
-        else:
-            SQ = products_on_tensor_cores(ra, rb, rsc, Q, R_FMT)
+        KB: tl.constexpr = 32 if DKP >= 32 else DKP  # one fp8 scale block (two NVFP4 ones), or the padded row
+        SQ = streamed_products(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, kd_ptr, qd_ptr, pid_b, head,
+                               T * HV * DK, HV * DK, DK, 1, T, 2 * T, DV, DK, R_FMT, QP, KB, STREAM)
     for s in tl.static_range(T):
         t = h + s
         tok_in = pid_b * T + s
