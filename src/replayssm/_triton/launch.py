@@ -442,9 +442,9 @@ class StepShape(NamedTuple):
 
 #: Step shapes by (architecture, read format): entries (least draft length, fields of StepShape that
 #: differ from ``BASE_SHAPE``), by increasing least length; a step of T tokens takes the last entry
-#: whose least length is <= T. Each entry was the fastest of sweeps on an H200 at batch 256
-#: (``benchmarks/sweep_shapes.py``: staggered windows, real geometries), us per step or verify round
-#: of 4 drafts, the entry's figure first:
+#: whose least length is <= T. Each entry was the fastest of sweeps on an H200 (or an H100 where
+#: named) at batch 256 (``benchmarks/sweep_shapes.py``: staggered windows, real geometries), us per
+#: step or verify round of 4 drafts, the entry's figure first:
 #:
 #: - the refresh a branch of the step (``split`` off) for Mamba-2 from fp32 and 2-byte read copies
 #:   (decode s32_rs 309.1 against 351.6 as a launch, verify s32_rs 568.7 against 606.0), a launch of
@@ -463,9 +463,9 @@ class StepShape(NamedTuple):
 #: - GDN verify of 4 drafts takes its read-copy products on tensor cores, streamed (805.0; from
 #:   the tile loaded whole 934.5, a form since deleted; row reductions 877.3), of exact operands
 #:   from 2-byte and fp8 read copies (``formats.exact_operand_products``: tp16_hi32 679.0 against
-#:   697.9 as 3-pass tf32); Mamba-2's
-#:   verify keeps row reductions in 1-warp programs (639.1; 2 warps 892.4, streamed products 726.8;
-#:   measured again: s32_rs 577.8 against 627.8 to 701.0 streamed at 32 x 1, 32 x 2 and 64 x 2);
+#:   697.9 as 3-pass tf32); Mamba-2's verify keeps row reductions in 1-warp programs (639.1; 2
+#:   warps 892.4, streamed products 726.8; measured again: s32_rs 577.8 against 627.8 to 701.0
+#:   streamed at 32 x 1, 32 x 2 and 64 x 2);
 #: - those GDN products in programs of 64 rows x 2 warps from fp32 and 2-byte read copies (one run:
 #:   s32_rs 656.2 against 689.1 at 32 x 1, 8 drafts 1136.1 against 1217.6; tp16_hi32 627.1 against
 #:   663.6, tpbf16_hi32 620.9 against 664.4; fp8 at 64 x 1, 647.7 against 687.8), from 2 drafts on
@@ -485,9 +485,9 @@ class StepShape(NamedTuple):
 #: - 3 fold stages in flight in a refresh launch, 2 in a branch (GDN decode 443.9 against 466.0 at 1).
 #:
 #: One warp per 32 rows keeps row reductions inside a warp; NVFP4 row reductions take 4 warps (one
-#: cannot hide its nibble decoding). The pin: Triton loads an fp32 tile 4 elements per thread and an fp16 tile
-#: 8, spreading a 128-wide row over a whole warp, so every row reduction ends in 5 rounds of
-#: shuffles; pinned to 16 per thread, 3. bf16 read copies take fp16's entries.
+#: cannot hide its nibble decoding). The pin: Triton loads an fp32 tile 4 elements per thread and
+#: an fp16 tile 8, spreading a 128-wide row over a whole warp, so every row reduction ends in 5
+#: rounds of shuffles; pinned to 16 per thread, 3. bf16 read copies take fp16's entries.
 BASE_SHAPE = StepShape(rows=32, warps=1, pin=0, output_dot=False, stream=0, split=True, stages=3)
 _VERIFY_DOT = dict(output_dot=True, stream=3)
 _BESIDE = dict(split=False, beside=True)  # the slots due beside the others, each refresh a branch of its step
