@@ -240,10 +240,10 @@ def test_verify_products_from_narrow_read_copies_are_fp32_accurate(arch, preset,
     """A verify of 4 drafts right after a load computes its outputs from the read copy alone, its
     products on tensor cores with the read copy's values as they are stored and the keys and queries
     split into 16-bit pieces (``formats.exact_operand_products``; NVFP4 values times their block
-    scales in fp16, streamed over programs of one or two global-scale blocks): against the float64 recurrence started from the decoded read copy,
-    within fp32 accuracy. Started from the state that was loaded instead, the reference differs by
-    the read format's rounding, which the bound catches (a single pass over 16-bit keys and queries
-    would round them alike)."""
+    scales in fp16, streamed over programs of one or two global-scale blocks): against the float64
+    recurrence started from the decoded read copy, within fp32 accuracy. Started from the state that
+    was loaded instead, the reference differs by the read format's rounding, which the bound catches
+    (a single pass over 16-bit keys and queries would round them alike)."""
     from replayssm._triton import launch
 
     dims = dict(nheads=2, headdim=64, dstate=32, ngroups=1) if arch == "mamba2" else dict(

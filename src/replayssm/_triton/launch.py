@@ -519,7 +519,7 @@ SHAPES = {
 SMALL_BATCH_SHAPES = {
     ("gdn", "fp32"): ((4, dict(rows=32, warps=1)),),
     ("gdn", "fp8_e4m3"): ((2, dict(rows=32, output_dot=False, stream=0)), (4, dict(rows=32))),
-    ("gdn", "nvfp4"): ((1, dict(warps=4, output_dot=False, stream=0)), (2, {})),
+    ("gdn", "nvfp4"): ((1, dict(warps=4, output_dot=False, stream=0)), (2, {})),  # verify: SHAPES' entry
 }
 # KDA's step kernel runs GDN's inner loop (its per-channel decays are applied in the scores launch):
 # GDN's shapes, not swept for KDA on their own, with the refresh in a launch of their own where GDN

@@ -55,7 +55,8 @@ from .._triton.window import (ancestor_bits, draft_paths, due_slot, head_window,
                               new_key_query, pending_tree, program_item, slot_cursor, window_key_scales,
                               window_keys, window_raw_keys)
 from .._triton.formats import (as_query, as_stored, column, exact_b_products, global_scale_index, load_query,
-                               load_read, load_tile, matvec, pin_vector_width, read_copy_from_anchor, streamed_products, within, write_checkpoint)
+                               load_read, load_tile, matvec, pin_vector_width, read_copy_from_anchor,
+                               streamed_products, within, write_checkpoint)
 
 
 @triton.jit
