@@ -474,8 +474,8 @@ class StepShape(NamedTuple):
 #:   against 634.4; KDA tp16_hi32 552.0 against 616.4, 763.0 against 952.0), with the refresh a
 #:   launch of its own (tp16_hi32 485.2 and 637.1 with the slots due beside);
 #: - NVFP4 read copies: the products streamed on tensor cores, GDN (and KDA) in 32-row 1-warp
-#:   programs, 2 chunks in flight (one run: decode tp4_hi32 359.5 against 425.7 with row reductions
-#:   at 32 x 4, verify of 2 drafts 524.9 against 1000.9, of 4 825.1 against 2235.9; KDA 1098.2
+#:   programs, 2 chunks in flight (two calls on one H200: decode tp4_hi32 359.5 against 425.7 with
+#:   row reductions at 32 x 4, verify of 2 drafts 524.9 against 1000.9, of 4 825.1 against 2235.9; KDA 1098.2
 #:   against 1821.9), Mamba-2 in 2-warp programs from 2 drafts on (779.9 against 945.2; 32 x 1
 #:   663.6 but 168.2 against 140.1 at batch 32), its decode with row reductions at 32 x 4 (311.0;
 #:   streamed at 32 x 1 293.8 but 60.2 against 50.4 at batch 32);
