@@ -5,17 +5,20 @@ The residuals of a delta-rule window solve (I + M) u = r with M strictly lower t
 
     (I + M)^{-1} = (I - M)(I + M^2)(I + M^4) ... (I + M^{LP/2}):
 
-log2(LP) products instead of LP dependent substitution steps. The products are IEEE fp32 (FMAs):
-[LP, LP] is too small for tensor cores to pay, and the inverse must be fp32-accurate.
+log2(LP) products instead of LP dependent substitution steps, fp32-accurate: IEEE fp32 (FMAs) or
+3-pass tf32 on tensor cores, as the caller says. GDN's solve launch was bound by the FMA products'
+operand round trips through shared memory (H100: L1 92% busy, DRAM 3%); KDA's, which builds M row
+by row, measured slower on tensor cores.
 """
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def unit_lower_inverse(M, SQUARINGS: tl.constexpr):
+def unit_lower_inverse(M, SQUARINGS: tl.constexpr, PRECISION: tl.constexpr):
     """(I + M)^{-1} [..., LP, LP] fp32 for M [LP, LP] or a batch [n, LP, LP] of fp32 strictly
-    lower triangular matrices; SQUARINGS = log2(LP) - 1 (the factors (I + M^2) .. (I + M^{LP/2}))."""
+    lower triangular matrices; SQUARINGS = log2(LP) - 1 (the factors (I + M^2) .. (I + M^{LP/2}));
+    PRECISION: the products' ``input_precision``, "ieee" or "tf32x3"."""
     r = tl.arange(0, M.shape[len(M.shape) - 1])
     eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
     if len(M.shape) == 3:
@@ -23,6 +26,6 @@ def unit_lower_inverse(M, SQUARINGS: tl.constexpr):
     X = eye - M
     power = M
     for _ in tl.static_range(SQUARINGS):
-        power = tl.dot(power, power, input_precision="ieee")
-        X = tl.dot(X, eye + power, input_precision="ieee")
+        power = tl.dot(power, power, input_precision=PRECISION)
+        X = tl.dot(X, eye + power, input_precision=PRECISION)
     return X

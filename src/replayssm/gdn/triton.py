@@ -68,9 +68,9 @@ def _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L: tl.cons
     strictly lower triangular, so M^LP = 0 and (I + M)^{-1} = (I - M)(I + M^2)(I + M^4)...(I +
     M^{LP/2}): log2(LP) products (SQUARINGS = log2(LP) - 1) instead of LP dependent substitution
     steps, batched over the heads so that a refreshing program's chain of products is one head
-    long. Products in IEEE fp32 (FMAs): [LP, LP] is too small for tensor cores to pay, and the
-    segment sums g(i, j] = (lower-triangular g) x (strict upper ones) stay sums of the segment's
-    own terms."""
+    long (``solve.unit_lower_inverse``: 3-pass tf32). The segment sums g(i, j] = (lower-triangular
+    g) x (strict upper ones) and the decays' sums are IEEE fp32 products (FMAs): sums of the
+    segment's own terms, exact where a split product would lose low bits of large log decays."""
     j = tl.arange(0, LP)
     old = j < h
     entry = (row * L + j[None, :]) * HV + vh[:, None]  # [RP, LP]
@@ -92,7 +92,7 @@ def _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L: tl.cons
     total = tl.where(j[None, :] == LP - 1, prefix, 0.0)  # c_h: g_c is zero from h on
     lower = (ic < jr) & (jr < h)
     M = tl.where(lower, beta_c[:, :, None] * tl.exp(tl.where(lower, seg, 0.0)) * gram[None, :, :], 0.0)
-    return unit_lower_inverse(M, SQUARINGS), ec, es, tl.exp(tl.sum(total, 1))
+    return unit_lower_inverse(M, SQUARINGS, "tf32x3"), ec, es, tl.exp(tl.sum(total, 1))
 
 
 @triton.jit
@@ -190,15 +190,20 @@ def _gdn_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bks_ptr, k
 @triton.jit
 def _gram(bk_ptr, bks_ptr, row, khead, h, HK, DK: tl.constexpr, DKP: tl.constexpr, L: tl.constexpr,
           LP: tl.constexpr):
-    """k_j . k_i [LP, LP] of the h committed keys (``window.window_keys``), 32 columns at a time
-    into one accumulator: IEEE products accumulate over the columns in order either way, and a
-    [LP, DK] tile of keys and its transpose held at once made a step of one launch spill."""
+    """k_j . k_i [LP, LP] of the h committed keys as the recurrence uses them (``window.window_keys``):
+    the products of the keys as buffered on tensor cores, times both normalizing factors. 16-bit
+    keys (inputs kept as given) are exact tf32 operands whose products are exact in fp32, so one
+    single-pass product is fp32-accurate; fp32 keys take 3-pass tf32. 32 columns at a time into one
+    accumulator: a [LP, DK] tile of keys and its transpose held at once made a step of one launch
+    spill."""
     KCH: tl.constexpr = 32 if DKP >= 32 else DKP
-    gram = tl.zeros((LP, LP), tl.float32)
+    PRECISION: tl.constexpr = "tf32x3" if bk_ptr.dtype.element_ty == tl.float32 else "tf32"
+    raw = tl.zeros((LP, LP), tl.float32)
     for c in tl.static_range(DKP // KCH):
-        K_c = window_keys(bk_ptr, bks_ptr, row, khead, h, c * KCH + tl.arange(0, KCH), HK, DK, L, LP)
-        gram = tl.dot(K_c, tl.trans(K_c), gram, input_precision="ieee")
-    return gram
+        K_c = window_raw_keys(bk_ptr, row, khead, h, c * KCH + tl.arange(0, KCH), HK, DK, L, LP).to(tl.float32)
+        raw = tl.dot(K_c, tl.trans(K_c), raw, input_precision=PRECISION)
+    k_scale = window_key_scales(bks_ptr, row, khead, h, HK, L, LP)
+    return raw * k_scale[:, None] * k_scale[None, :]
 
 
 @triton.jit

@@ -110,7 +110,7 @@ def _refresh_scalars(bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr, total_p
         E = tl.where(before, tl.exp(tl.where(before, _segments_along(G_c, j <= jj), float("-inf"))), 0.0)
         k_j = tl.sum(tl.where((j == jj)[:, None], K_c, 0.0), 0)
         M = tl.where(j[:, None] == jj, tl.sum(K_c * E * k_j[None, :], 1)[None, :], M)
-    X = unit_lower_inverse(beta_c[:, None] * M, SQUARINGS)
+    X = unit_lower_inverse(beta_c[:, None] * M, SQUARINGS, "ieee")
     through = tl.dot(tl.where(j[None, :] <= j[:, None], 1.0, 0.0), G_c, input_precision="ieee")  # [j, c]: G_j
     after = _segments_along(G_c, j < h)  # [j, c]: g(j, h)
     base = (pid_b * HV + vhead) * LP
