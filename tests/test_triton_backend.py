@@ -580,7 +580,7 @@ def test_step_shapes_follow_the_policy():
     assert not launch.step_shape(kda, "kda", 1, batch=32).beside
     four = launch.step_shape(wide, "gdn", 4)
     assert (four.rows, four.warps, four.output_dot, four.stream, four.split, four.refresh_maxnreg) == (
-        64, 2, True, 3, True, 128)
+        64, 2, True, 3, True, 168)
     four_small = launch.step_shape(wide, "gdn", 4, batch=8)  # small batches: the refresh a branch, 32 rows
     assert not four_small.split and (four_small.rows, four_small.warps, four_small.output_dot) == (32, 1, True)
     assert launch.step_shape(wide, "gdn", 3).pin == 16  # the T = 1 entry still applies
