@@ -438,6 +438,10 @@ class StepShape(NamedTuple):
     #: solving its own refresh (no scores or solve launch; the refresh a branch, row reductions)
     due_first: bool = False  #: the launch over every slot visits the slots due first (``DUE_FIRST``,
     #: ``window.step_item``), the refresh a branch
+    scores_warps: int = 2  #: warps per program of the scores launch. Mamba-2 and GDN: their per-head
+    #: weights are [heads, LP] tiles (H200, batch 256, us per launch at 2 / 4 / 8 warps: GDN verify of
+    #: T = 4 42.8 / 55.8 / 67.4, decode 11.6 / 14.0 / 19.5; Mamba-2 verify 22.8 / 26.3 / 32.8, decode
+    #: 10.5 / 10.6 / 13.6); KDA: ``KDA_SCORES_WARPS``
 
 
 #: Step shapes by (architecture, read format): entries (least draft length, fields of StepShape that
@@ -523,10 +527,13 @@ SMALL_BATCH_SHAPES = {
     ("gdn", "fp8_e4m3"): ((2, dict(rows=32, output_dot=False, stream=0)), (4, dict(rows=32))),
     ("gdn", "nvfp4"): ((1, dict(warps=4, output_dot=False, stream=0)), (2, {})),  # verify: SHAPES' entry
 }
+#: Warps per program of KDA's scores launch, whose per-channel decays make [LP, K] tiles per draft
+KDA_SCORES_WARPS = 4
 # KDA's step kernel runs GDN's inner loop (its per-channel decays are applied in the scores launch):
 # GDN's shapes, not swept for KDA on their own, with the refresh in a launch of their own where GDN
 # has the slots due beside the others (KDA's launches have no side stream)
-SHAPES.update({("kda", fmt): tuple((least, dict(fields, beside=False, split=True) if fields.get("beside") else fields)
+SHAPES.update({("kda", fmt): tuple((least, dict(fields, scores_warps=KDA_SCORES_WARPS,
+                                                **(dict(beside=False, split=True) if fields.get("beside") else {})))
                                    for least, fields in entries)
                for (arch, fmt), entries in list(SHAPES.items()) if arch == "gdn"})
 SMALL_BATCH_SHAPES.update({("kda", fmt): entries for (arch, fmt), entries in list(SMALL_BATCH_SHAPES.items())
@@ -539,12 +546,6 @@ TUNING: dict = {}
 
 def _uses_nvfp4(cache) -> bool:
     return "nvfp4" in {cache.precision.anchor.name, cache.precision.read_format.name}
-
-
-#: Warps per program of the Mamba-2 and GDN scores launches, whose per-head weights are [heads, LP]
-#: tiles (H200, batch 256, us per launch at 2 / 4 / 8 warps: GDN verify of T = 4 42.8 / 55.8 / 67.4,
-#: decode 11.6 / 14.0 / 19.5; Mamba-2 verify 22.8 / 26.3 / 32.8, decode 10.5 / 10.6 / 13.6).
-SCORES_WARPS = 2
 
 
 #: Smallest batch whose steps may refresh in a launch of their own (``StepShape.split``): below it a

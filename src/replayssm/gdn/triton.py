@@ -637,7 +637,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     launch.run(_gdn_scores_kernel, (b, HK), slots, cache.committed, cursors, buf["k"], buf["k_scale"], k, *strides(k),
                q, *strides(q), kn, k_scale, qn, scores, *gate_args, buf["g"], g, *strides(g)[:3], gammas, due, tree,
                cache.draft_gaps, float(scale), cache.scratch_row, b, HK, HV, T=T, L=cache.window, LP=LP, DK=K,
-               DKP=DKP, RATIO=HV // HK, RP=triton.next_power_of_2(HV // HK), num_warps=launch.SCORES_WARPS,
+               DKP=DKP, RATIO=HV // HK, RP=triton.next_power_of_2(HV // HK), num_warps=shape.scores_warps,
                **tokens_consts, **launch.due_scan(b, True))
     programs, rounds = launch.refresh_grid(b, T, cache.window)
     solve = (slots, cursors, due, buf["k"], buf["k_scale"], buf["g"], buf["beta"], tinv, decays, HK, HV)

@@ -10,9 +10,11 @@ A step is GDN's launches (``_triton/launch.py``):
       scores[b, vh, 0, s, j] = <k_j, q_s>_{j:t} = sum_c k_jc q_sc e^{g(j, t]_c}   (j <= t, else 0)
       scores[b, vh, 1, s, j] = <k_j, k_s>_{j:t}                                    (j < t, else 0)
 
-  with every segment sum g(j, t]_c = sum_{j < m <= t} g_mc summed directly (a masked 0/1 product,
-  so each is a sum of the segment's own terms, never a difference of prefix sums) and masked
-  before the exponent; and the new keys and queries decayed since the checkpoint,
+  with every segment sum g(j, t]_c = sum_{j < m <= t} g_mc a sum of the segment's own terms, never
+  a difference of prefix sums, masked before the exponent: the committed entries' segments to the
+  last of them, g(j, h - 1], as a masked 0/1 product once per step, times e^{g(h - 1, t]} (two
+  decays in (0, 1]); each draft's own path terms added one at a time in entry order (a chain given
+  as a tree, the same bits); and the new keys and queries decayed since the checkpoint,
   kd_s = e^{G_t} * k_s and qd_s = e^{G_t} * q_s [b, T, HV, K], so that the step kernel reads the
   read copy with plain matvecs. For a slot due to refresh, per value head and at this launch's one
   shape for every preset: tinv = (I + M)^{-T} [LP, LP] with M[j, i] = beta_j <k_i, k_j>_{i:j}
@@ -46,6 +48,7 @@ import triton.language as tl
 
 from .._triton import launch
 from .._triton.formats import (
+    as_stored,
     column,
     global_scale_index,
     load_read,
@@ -59,7 +62,7 @@ from .._triton.formats import (
 )
 from .._triton.launch import advance_row, after_previous_launch
 from .._triton.solve import unit_lower_inverse
-from .._triton.window import (ancestor_bits, draft_bits, draft_view, due_slot, list_due, new_key_query, pending_tree,
+from .._triton.window import (ancestor_bits, draft_bits, due_slot, list_due, new_key_query, pending_tree,
                               slot_cursor, slot_row, step_cursor, window_keys, window_rows)
 from ..gdn.triton import (
     SOLVE_WARPS,
@@ -80,17 +83,16 @@ def _log_decays(bg_ptr, g_ptr, sgb, sgt, sgh, sge, row, pid_b, h, vhead, HV, T: 
 @triton.jit
 def _segments_along(G, seen):
     """[LP, DK] sums of G [LP, DK] over the entries m > j that ``seen`` [LP] holds, for every entry
-    j and channel: the log decay from entry j to a position along its path (seen = m <= t for a
-    chain, a draft's ancestors and itself for a tree, ``window.draft_view``), each segment summed
-    directly (0/1 weights, IEEE fp32)."""
+    j and channel (seen = m < h: the log decay from entry j to the last committed one), each
+    segment summed directly (0/1 weights, IEEE fp32: the FMAs run over the entries in order)."""
     j = tl.arange(0, G.shape[0])
     inside = tl.where((j[:, None] < j[None, :]) & seen[None, :], 1.0, 0.0)
     return tl.dot(inside, G, input_precision="ieee")
 
 
 @triton.jit
-def _refresh_scalars(bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr, K_c, row, pid_b, vhead, h, HV,
-                     L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
+def _refresh_scalars(bk_ptr, bks_ptr, bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr, K_c, row, pid_b,
+                     khead, vhead, h, HK, HV, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
                      SQUARINGS: tl.constexpr):
     """For value head ``vhead`` of a slot due to refresh (h committed entries with keys K_c
     [LP, DKP], zero past h and from column DK on): tinv[b, vh] = (I + M)^{-T}, rk[b, vh],
@@ -103,12 +105,20 @@ def _refresh_scalars(bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr, total_p
     beta_c = tl.load(bbeta_ptr + (row * L + j) * HV + vhead, mask=old, other=0.0)
     # M[j, i] = beta_j sum_c k_ic k_jc e^{g(i, j]_c}: one row j at a time (the decay is inside the
     # sum over channels, so the rows are no Gram matrix times decays); row 0 couples to nothing,
-    # rows from h on are zero (beta_c)
+    # rows from h on are zero (beta_c). The segments g(i, j] grow by entry j's log decay per row, in
+    # entry order (the sums of a 0/1 product's FMAs); entry j's key and decays are loaded as rows,
+    # not taken out of the tiles (a reduction across warps)
     M = tl.zeros((LP, LP), dtype=tl.float32)
+    seg = tl.zeros((LP, DKP), dtype=tl.float32)
     for jj in tl.range(1, LP):
         before = (j < jj)[:, None]
-        E = tl.where(before, tl.exp(tl.where(before, _segments_along(G_c, j <= jj), float("-inf"))), 0.0)
-        k_j = tl.sum(tl.where((j == jj)[:, None], K_c, 0.0), 0)
+        here = (jj < h) & cols
+        entry = (row * L + jj) * HK + khead
+        k_j = tl.load(bk_ptr + entry * DK + ck, mask=here, other=0.0).to(tl.float32) * tl.load(
+            bks_ptr + entry, mask=jj < h, other=0.0)
+        seg += tl.where(before, tl.load(bg_ptr + ((row * L + jj) * HV + vhead) * DK + ck, mask=here,
+                                        other=0.0).to(tl.float32)[None, :], 0.0)
+        E = tl.where(before, tl.exp(tl.where(before, seg, float("-inf"))), 0.0)
         M = tl.where(j[:, None] == jj, tl.sum(K_c * E * k_j[None, :], 1)[None, :], M)
     X = unit_lower_inverse(beta_c[:, None] * M, SQUARINGS, "ieee")
     through = tl.dot(tl.where(j[None, :] <= j[:, None], 1.0, 0.0), G_c, input_precision="ieee")  # [j, c]: G_j
@@ -129,7 +139,7 @@ def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bks_ptr, b
                        scores_ptr, due_ptr, parents_ptr, gaps_ptr, scale, SCRATCH, B, HK, HV, T: tl.constexpr,
                        L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, RATIO: tl.constexpr,
                        NORM: tl.constexpr, DUE_CH: tl.constexpr, DUE_PASSES: tl.constexpr, TREE: tl.constexpr,
-                       MAXD: tl.constexpr, PDL: tl.constexpr):
+                       MAXD: tl.constexpr, TP: tl.constexpr, PDL: tl.constexpr):
     """Once per (batch row, key head): the T new keys and queries prepared in fp32 (L2-normalized
     when NORM, as flash-linear-attention's l2norm; queries times ``scale``) into kn, qn
     [b, T, HK, K], each key's normalizing factor into ks [b, T, HK] for the buffer (the key is
@@ -163,25 +173,51 @@ def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bks_ptr, b
     anc = ancestor_bits(parents_ptr, pid_b, valid, T) if TREE else 0
     j = tl.arange(0, LP)
     h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
-    new = (j >= h) & (j < h + T)  # the window: committed keys, then the new ones
-    K = window_keys(bk_ptr, bks_ptr, row, khead, h, ck, HK, DK, L, LP) + tl.load(
-        kn_ptr + ((pid_b * T + j - h)[:, None] * HK + khead) * DK + ck[None, :], mask=new[:, None] & cols[None, :],
-        other=0.0)
+    # the window: the committed keys [LP, DKP] (zero from h on) and the new ones [TP, DKP], scored
+    # apart: the committed entries' decays to the last of them once, then each draft's own terms
+    n = tl.arange(0, TP)
+    old = j < h
+    K = window_keys(bk_ptr, bks_ptr, row, khead, h, ck, HK, DK, L, LP)
+    K_new = tl.load(kn_ptr + ((pid_b * T + n)[:, None] * HK + khead) * DK + ck[None, :],
+                    mask=(n < T)[:, None] & cols[None, :], other=0.0)
     for vv in tl.range(0, RATIO):
         vhead = khead * RATIO + vv
-        G = _log_decays(bg_ptr, g_ptr, sgb, sgt, sgh, sge, row, pid_b, h, vhead, HV, T, L, LP, DK, DKP)
+        G = _log_decays(bg_ptr, g_ptr, sgb, sgt, sgh, sge, row, pid_b, h, vhead, HV, 0, L, LP, DK, DKP)
+        KE_old = K * tl.where(old[:, None], tl.exp(tl.where(old[:, None], _segments_along(G, old), float("-inf"))),
+                              0.0)  # k_j e^{g(j, h - 1]} for j < h
+        G_old = tl.sum(G, 0)  # G_{h-1}, from the checkpoint
+        g_new = ()  # the new tokens' log decays, as the buffer will hold them
         for s in tl.static_range(T):
-            t = h + s
+            g_s = tl.load(g_ptr + pid_b * sgb + s * sgt + vhead * sgh + ck * sge, mask=cols, other=0.0)
+            g_new = g_new + (as_stored(g_s, bg_ptr.dtype.element_ty).to(tl.float32),)
+        for s in tl.static_range(T):
             tok = pid_b * T + s
             q = tl.load(qn_ptr + (tok * HK + khead) * DK + ck, mask=cols, other=0.0)
             k = tl.load(kn_ptr + (tok * HK + khead) * DK + ck, mask=cols, other=0.0)
-            seen = draft_view(draft_bits(anc, s, TREE), h, s, LP, TREE)  # j <= t for a chain
-            upto = seen[:, None]
-            KE = K * tl.where(upto, tl.exp(tl.where(upto, _segments_along(G, seen), float("-inf"))), 0.0)
+            bits = draft_bits(anc, s, TREE)
+            path = n <= s  # the new entries draft s sees: itself and its ancestors
+            if TREE:
+                path = path & (((bits >> tl.where(path, n, 0)) & 1) != 0)
+            # g(h - 1, t] and, for the path's entries h + n, g(h + n, t]: the path's terms one at a
+            # time in entry order (sums of the segments' own terms; a chain given as a tree, the same)
+            G_path = tl.zeros((DKP,), tl.float32)
+            A = tl.zeros((TP, DKP), tl.float32)
+            for m in tl.static_range(s + 1):
+                g_m = g_new[m]
+                if TREE:
+                    g_m = tl.where(((bits >> m) & 1) != 0, g_m, 0.0)
+                G_path += g_m
+                A += tl.where((n < m)[:, None], g_m[None, :], 0.0)
+            KE_new = K_new * tl.where(path[:, None], tl.exp(A), 0.0)
+            decayed = tl.exp(G_path)  # e^{g(h - 1, t]}, applied to the draft's key and query
             base = ((pid_b * HV + vhead) * 2 * T + s) * LP
-            tl.store(scores_ptr + base + j, tl.sum(KE * q[None, :], 1))
-            tl.store(scores_ptr + base + T * LP + j, tl.where(seen & (j < t), tl.sum(KE * k[None, :], 1), 0.0))
-            decay = tl.exp(tl.sum(tl.where(upto, G, 0.0), 0))  # e^{G_t}: a sum from the checkpoint
+            outside = old | (j >= h + T)  # the new entries' positions get the second stores
+            tl.store(scores_ptr + base + j, tl.sum(KE_old * (q * decayed)[None, :], 1), mask=outside)
+            tl.store(scores_ptr + base + h + n, tl.sum(KE_new * q[None, :], 1), mask=n < T)
+            tl.store(scores_ptr + base + T * LP + j, tl.sum(KE_old * (k * decayed)[None, :], 1), mask=outside)
+            tl.store(scores_ptr + base + T * LP + h + n, tl.where(n < s, tl.sum(KE_new * k[None, :], 1), 0.0),
+                     mask=n < T)
+            decay = tl.exp(G_old + G_path)  # e^{G_t}
             tl.store(kd_ptr + (tok * HV + vhead) * DK + ck, decay * k, mask=cols)
             tl.store(qd_ptr + (tok * HV + vhead) * DK + ck, decay * q, mask=cols)
 
@@ -205,8 +241,8 @@ def _kda_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bks_ptr, bg_ptr, 
             pid_b, row, h = due_slot(due_ptr, slots_ptr, cursors_ptr, r)
             K_c = window_keys(bk_ptr, bks_ptr, row, khead, h, ck, HK, DK, L, LP)
             for vv in tl.range(0, RATIO):  # a loop, not unrolled: registers
-                _refresh_scalars(bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr, K_c, row, pid_b,
-                                 khead * RATIO + vv, h, HV, L, LP, DK, DKP, SQUARINGS)
+                _refresh_scalars(bk_ptr, bks_ptr, bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr, K_c,
+                                 row, pid_b, khead, khead * RATIO + vv, h, HK, HV, L, LP, DK, DKP, SQUARINGS)
 
 
 @triton.jit
@@ -392,7 +428,8 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
                *strides(k), q, *strides(q), g, *strides(g), kn, k_scale, qn, kd, qd, scores, due,
                due if parents is None else parents, cache.draft_gaps, float(scale), cache.scratch_row, b, HK, HV, T=T,
                L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, NORM=normalize, **launch.due_scan(b, True),
-               TREE=parents is not None, MAXD=cache.max_draft)
+               TREE=parents is not None, MAXD=cache.max_draft, TP=triton.next_power_of_2(T),
+               num_warps=shape.scores_warps)
     n, rounds = launch.refresh_grid(b, T, cache.window)
     launch.run(_kda_solve_kernel, (HK, n), slots, cursors, due, buf["k"], buf["k_scale"], buf["g"], g, buf["beta"],
                *refresh, HK, HV, L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, SQUARINGS=LP.bit_length() - 2,

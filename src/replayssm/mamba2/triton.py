@@ -479,7 +479,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
                B, *strides(B), C, *strides(C), scores, fold_w, fold_decay, dt_in, *strides(dt_in)[:3],
                A if dt_bias is None else dt_bias, launch.head_stride(dt_bias), A, launch.head_stride(A), dt,
                log_alpha, gammas, due, tree, cache.draft_gaps, cache.scratch_row, b, H, G, T=T,
-               L=cache.window, LP=LP, DK=N, DKP=DKP, HG=triton.next_power_of_2(H // G), num_warps=launch.SCORES_WARPS,
+               L=cache.window, LP=LP, DK=N, DKP=DKP, HG=triton.next_power_of_2(H // G), num_warps=shape.scores_warps,
                **inputs_consts, **launch.due_scan(b, listed))
     programs, rounds = launch.refresh_grid(b, T, cache.window)
     refresh = (slots, cursors, cache.tokens, cache.seeds, fold_w, fold_decay, *anchor, *read,
