@@ -578,6 +578,9 @@ def test_step_shapes_follow_the_policy():
     kda = rs.KDACache(1, 1, 2, 32, 128, precision="s32_rs")  # KDA: no side stream, a refresh launch
     assert launch.step_shape(kda, "kda", 1).split and not launch.step_shape(kda, "kda", 1).beside
     assert not launch.step_shape(kda, "kda", 1, batch=32).beside
+    # the scores launch's warps: KDA's own, Mamba-2's and GDN's 2
+    assert [launch.step_shape(c, a, T).scores_warps for c, a, T in ((kda, "kda", 4), (kda, "kda", 1), (wide, "gdn", 4))
+            ] == [launch.KDA_SCORES_WARPS] * 2 + [2]
     four = launch.step_shape(wide, "gdn", 4)
     assert (four.rows, four.warps, four.output_dot, four.stream, four.split, four.refresh_maxnreg) == (
         64, 2, True, 3, True, 168)
@@ -607,7 +610,8 @@ def test_step_shapes_follow_the_policy():
     assert launch.step_shape(rs.Mamba2Cache(1, 2, 3, 5), "mamba2").rows == 1
     assert [launch.column_pad(rs.Mamba2Cache(1, 1, 16, 8, precision=p)) for p in ("s32_rs", "tp8_hi32")] == [16, 32]
     try:
-        launch.TUNING.update(rows=48)
+        launch.TUNING.update(rows=48, scores_warps=8)
+        assert launch.step_shape(kda, "kda", 4).scores_warps == 8
         assert launch.step_shape(wide, "gdn").rows == launch.FOLD_ROWS
         launch.TUNING.update(rows=128)  # NVFP4: whole global-scale blocks, four of them
         assert launch.step_shape(rs.GDNCache(1, 1, 2, 32, 128, precision="tp4_hi32"), "gdn").rows == 128
