@@ -357,12 +357,14 @@ def test_triton_heads_of_16_row_multiples_match_float64(arch):
 #: launch of its own (split); GDN's verify products on tensor cores streamed (fp32, the default for
 #: 4 drafts; fp8 at dv = 24, dk = 48), or row reductions; its decode from 2-byte and fp8
 #: read copies at dk = 24 (a masked tile) and dk = 40 (fp8: a stored scale block of padding past 40);
-#: the step of one launch (``StepShape.fused``) from fp8 and NVFP4 read copies.
+#: the step of one launch (``StepShape.fused``) from fp8 and NVFP4 read copies; GDN's NVFP4 decode as
+#: at large batches (the slots due beside the others after their refresh launch, streamed products).
 ANY_DIMS = [("mamba2", 8, 24, "s32_rs", {}), ("mamba2", 24, 48, "tp8_hi32", dict(split=True)),
             ("mamba2", 3, 5, "tp4_hi32", {}), ("gdn", 24, 24, "s32_rs", {}),
             ("gdn", 8, 48, "tp4_hi32", dict(split=True)), ("gdn", 24, 48, "tp8_hi32", dict(output_dot=True)),
             ("gdn", 8, 24, "tp16_hi32", {}), ("gdn", 24, 40, "tp8_hi32", {}),
-            ("gdn", 24, 48, "tp8_hi32", dict(fused=True)), ("mamba2", 3, 5, "tp4_hi32", dict(fused=True, warps=4))]
+            ("gdn", 24, 48, "tp8_hi32", dict(fused=True)), ("mamba2", 3, 5, "tp4_hi32", dict(fused=True, warps=4)),
+            ("gdn", 24, 48, "tp4_hi32", dict(split=True, beside=True, output_dot=True, stream=2))]
 
 
 @pytest.mark.parametrize("arch, dv, dk, preset, tuning", ANY_DIMS)
@@ -578,9 +580,9 @@ def test_step_shapes_follow_the_policy():
     kda = rs.KDACache(1, 1, 2, 32, 128, precision="s32_rs")  # KDA: no side stream, a refresh launch
     assert launch.step_shape(kda, "kda", 1).split and not launch.step_shape(kda, "kda", 1).beside
     assert not launch.step_shape(kda, "kda", 1, batch=32).beside
-    # the scores launch's warps: KDA's own, Mamba-2's and GDN's 2
-    assert [launch.step_shape(c, a, T).scores_warps for c, a, T in ((kda, "kda", 4), (kda, "kda", 1), (wide, "gdn", 4))
-            ] == [launch.KDA_SCORES_WARPS] * 2 + [2]
+    # the scores launch's warps by architecture, whatever the step
+    assert [launch.step_shape(c, a, T, batch=b).scores_warps for c, a, T, b in (
+        (kda, "kda", 4, 256), (kda, "kda", 1, 8), (wide, "gdn", 4, 256), (m8, "mamba2", 1, 256))] == [1, 1, 1, 2]
     four = launch.step_shape(wide, "gdn", 4)
     assert (four.rows, four.warps, four.output_dot, four.stream, four.split, four.refresh_maxnreg) == (
         64, 2, True, 3, True, 168)
@@ -597,6 +599,7 @@ def test_step_shapes_follow_the_policy():
     fp4 = rs.GDNCache(1, 1, 2, 32, 128, precision="tp4_hi32")  # NVFP4: streamed products but small decodes
     assert [launch.step_shape(fp4, "gdn", T, batch=b)[:5] for T, b in ((1, 256), (4, 256), (1, 8), (4, 8))] == [
         (32, 1, 0, True, 2), (32, 1, 0, True, 2), (32, 4, 0, False, 0), (32, 1, 0, True, 2)]
+    assert launch.step_shape(fp4, "gdn", 1).beside and not launch.step_shape(fp4, "gdn", 4).beside
     m4 = rs.Mamba2Cache(1, 2, 64, 128, precision="tp4_hi32")
     assert [launch.step_shape(m4, "mamba2", T)[:5] for T in (1, 2)] == [(32, 4, 0, False, 0), (32, 2, 0, True, 2)]
     small = rs.Mamba2Cache(1, 2, 16, 32)

@@ -438,10 +438,7 @@ class StepShape(NamedTuple):
     #: solving its own refresh (no scores or solve launch; the refresh a branch, row reductions)
     due_first: bool = False  #: the launch over every slot visits the slots due first (``DUE_FIRST``,
     #: ``window.step_item``), the refresh a branch
-    scores_warps: int = 2  #: warps per program of the scores launch. Mamba-2 and GDN: their per-head
-    #: weights are [heads, LP] tiles (H200, batch 256, us per launch at 2 / 4 / 8 warps: GDN verify of
-    #: T = 4 42.8 / 55.8 / 67.4, decode 11.6 / 14.0 / 19.5; Mamba-2 verify 22.8 / 26.3 / 32.8, decode
-    #: 10.5 / 10.6 / 13.6); KDA: ``KDA_SCORES_WARPS``
+    scores_warps: int = 2  #: warps per program of the scores launch (``SCORES_WARPS``)
 
 
 #: Step shapes by (architecture, read format): entries (least draft length, fields of StepShape that
@@ -456,10 +453,12 @@ class StepShape(NamedTuple):
 #:   222.1 against 238.5 as a branch, GDN verify s32_rs 695.0 against 779.4);
 #: - the slots due on a side stream beside the others' step (``beside``): GDN decode from fp32 and
 #:   2-byte read copies (s32_rs 365.3 against 377.4 in order), GDN verify of 4 drafts from fp8
-#:   (904.7 against 928.3), Mamba-2 decode from 2-byte and fp8 read copies (tp8_hi32 188.8 against
-#:   198.7); not taken where slower or no faster (Mamba-2 s32_rs decode 325.0 against 303.4, GDN
-#:   verify s32_rs 803.9 against 808.1; the launch over the slots due with 2 or 4 warps: GDN decode
-#:   388.5, 448.2);
+#:   (904.7 against 928.3), GDN decode from NVFP4 after their refresh launch (H100, one run: 351.6
+#:   against 358.9 and 363.9 in order), Mamba-2 decode from 2-byte and fp8 read copies (tp8_hi32
+#:   188.8 against 198.7); not taken where slower or no faster (Mamba-2 s32_rs decode 325.0 against
+#:   303.4, GDN verify s32_rs 803.9 against 808.1, GDN decode from fp8 303.7 against 286.7 (H100),
+#:   GDN verify of 4 drafts from NVFP4 853.4 against 826.0 (H100); the launch over the slots due with
+#:   2 or 4 warps: GDN decode 388.5, 448.2; GDN NVFP4 decode with the refresh a branch 511.6);
 #: - GDN's refresh launch under a register cap (its loop over the slots due took 218 registers):
 #:   decode s32_rs 390.2 at 128 (407.4 uncapped), tp16_hi32 341.5 at 168 (344.0 at 128), verify of 4
 #:   drafts s32_rs 745.2 at 168 against 761.7 at 128 (H100, one run; uncapped 789.7 against 768.6 in
@@ -514,7 +513,7 @@ SHAPES = {
                       (2, dict(rows=64, warps=2, refresh_maxnreg=168, **_VERIFY_DOT))),
     ("gdn", "fp8_e4m3"): ((1, dict(refresh_maxnreg=128)), (2, dict(rows=64, refresh_maxnreg=128, **_VERIFY_DOT)),
                           (4, dict(rows=64, refresh_maxnreg=128, beside=True, **_VERIFY_DOT))),
-    ("gdn", "nvfp4"): ((1, dict(output_dot=True, stream=2)),),
+    ("gdn", "nvfp4"): ((1, dict(output_dot=True, stream=2, beside=True)), (2, dict(output_dot=True, stream=2))),
 }
 #: Entries of ``SHAPES`` that differ below SPLIT_MIN_BATCH rows, in the same form, applied over
 #: them: where fewer programs share the GPU, smaller or reduction-bound programs measured faster
@@ -527,13 +526,10 @@ SMALL_BATCH_SHAPES = {
     ("gdn", "fp8_e4m3"): ((2, dict(rows=32, output_dot=False, stream=0)), (4, dict(rows=32))),
     ("gdn", "nvfp4"): ((1, dict(warps=4, output_dot=False, stream=0)), (2, {})),  # verify: SHAPES' entry
 }
-#: Warps per program of KDA's scores launch, whose per-channel decays make [LP, K] tiles per draft
-KDA_SCORES_WARPS = 4
 # KDA's step kernel runs GDN's inner loop (its per-channel decays are applied in the scores launch):
 # GDN's shapes, not swept for KDA on their own, with the refresh in a launch of their own where GDN
 # has the slots due beside the others (KDA's launches have no side stream)
-SHAPES.update({("kda", fmt): tuple((least, dict(fields, scores_warps=KDA_SCORES_WARPS,
-                                                **(dict(beside=False, split=True) if fields.get("beside") else {})))
+SHAPES.update({("kda", fmt): tuple((least, dict(fields, beside=False, split=True) if fields.get("beside") else fields)
                                    for least, fields in entries)
                for (arch, fmt), entries in list(SHAPES.items()) if arch == "gdn"})
 SMALL_BATCH_SHAPES.update({("kda", fmt): entries for (arch, fmt), entries in list(SMALL_BATCH_SHAPES.items())
@@ -546,6 +542,17 @@ TUNING: dict = {}
 
 def _uses_nvfp4(cache) -> bool:
     return "nvfp4" in {cache.precision.anchor.name, cache.precision.read_format.name}
+
+
+#: Warps per program of each architecture's scores launch (``StepShape.scores_warps``), whose per-head
+#: weights are [heads, LP] tiles (KDA: [LP, K] per draft, its decays per key channel). H100, one run,
+#: batch 256, us per step at 1 / 2 / 4 warps: KDA decode s32_rs 341.1 / 373.7 / 391.8, verify of 4
+#: drafts 645.2 / 656.7 / 689.4 (8 warps: 466.4, 1234.7; tp16_hi32 at 1 and 4: 275.8 / 325.1,
+#: 586.5 / 625.2); GDN decode 468.9 / 470.6, verify 733.5 / 751.5 (tp16_hi32 340.1 / 342.3, 649.4 /
+#: 663.8); Mamba-2 decode 423.5 / 422.5, verify 670.7 / 664.7. Earlier (H200, us per launch at 2 / 4
+#: / 8 warps): GDN verify 42.8 / 55.8 / 67.4, decode 11.6 / 14.0 / 19.5; Mamba-2 verify 22.8 / 26.3
+#: / 32.8, decode 10.5 / 10.6 / 13.6.
+SCORES_WARPS = {"mamba2": 2, "gdn": 1, "kda": 1}
 
 
 #: Smallest batch whose steps may refresh in a launch of their own (``StepShape.split``): below it a
@@ -622,6 +629,7 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
     for least, fields in SHAPES[(arch, fmt)]:
         if T >= least:
             found = BASE_SHAPE._replace(**fields)
+    found = found._replace(scores_warps=SCORES_WARPS[arch])
     if batch < SPLIT_MIN_BATCH:
         for least, fields in SMALL_BATCH_SHAPES.get((arch, fmt), ()):
             if T >= least:
