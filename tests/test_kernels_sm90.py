@@ -99,12 +99,13 @@ def test_nvfp4_step_kernels_of_several_row_blocks_assemble(tmp_path):
     (``formats.global_scale_index`` returns one index per row there, a scalar for one block): the
     kernels of both layer kinds, refresh branch included, compile for sm_90a at both shapes, with
     row reductions and with the read-copy products on tensor cores (``formats.streamed_products``),
+    in one launch over every slot (GDN's decode puts the slots due beside the others by default),
     and fit in registers (GDN's 64-row programs with row reductions, a shape the policy does not
     take, at 255 registers and up to 32 bytes spilled in the refresh branch). Fails if the two forms
     of the index or the fp16 decode do not build."""
     for shape in ("32x4", "64x4", "64x4ok3"):
         rows = _rows(_compile_for_sm90(tmp_path, PTXAS_REPORT, "--arch", "mamba2,gdn", "--presets", "tp4_hi32",
-                                       "--shapes", shape, "--tuning", "split=0"))
+                                       "--shapes", shape, "--tuning", "split=0", "--tuning", "beside=0"))
         assert {r[0] for r in rows} == {"mamba2", "gdn"}, rows
         for arch, preset, label, kernel, regs, spills, *_ in rows:
             stores, loads = (int(n) for n in spills.split("/"))
