@@ -62,7 +62,7 @@ from .._triton.formats import (
 )
 from .._triton.launch import advance_row, after_previous_launch
 from .._triton.solve import unit_lower_inverse
-from .._triton.window import (ancestor_bits, draft_bits, due_slot, list_due, new_key_query, pending_tree,
+from .._triton.window import (ancestor_bits, draft_bits, draft_view, due_slot, list_due, new_key_query, pending_tree,
                               slot_cursor, slot_row, step_cursor, window_keys, window_rows)
 from ..gdn.triton import (
     SOLVE_WARPS,
@@ -195,9 +195,7 @@ def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bks_ptr, b
             q = tl.load(qn_ptr + (tok * HK + khead) * DK + ck, mask=cols, other=0.0)
             k = tl.load(kn_ptr + (tok * HK + khead) * DK + ck, mask=cols, other=0.0)
             bits = draft_bits(anc, s, TREE)
-            path = n <= s  # the new entries draft s sees: itself and its ancestors
-            if TREE:
-                path = path & (((bits >> tl.where(path, n, 0)) & 1) != 0)
+            path = draft_view(bits, 0, s, TP, TREE)  # the new entries draft s sees: itself and its ancestors
             # g(h - 1, t] and, for the path's entries h + n, g(h + n, t]: the path's terms one at a
             # time in entry order (sums of the segments' own terms; a chain given as a tree, the same)
             G_path = tl.zeros((DKP,), tl.float32)
