@@ -4,7 +4,8 @@
   NaN, so any read of memory the code never wrote shows up as NaN and fails the tolerance and
   finiteness checks of ``helpers.Tracker``.
 - The measured error figures collected in ``helpers.MEASURED`` are printed as a table at the end
-  of the run.
+  of the run; under pytest-xdist each worker hands its figures to the controller, which keeps the
+  largest of each.
 """
 from __future__ import annotations
 
@@ -32,6 +33,18 @@ torch.set_num_threads(1)
 def _poison_fresh_allocations():
     with rs.poison_fresh_allocations():
         yield
+
+
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)  # set on xdist workers only
+    if workeroutput is not None:
+        workeroutput["replayssm_measured"] = dict(helpers.MEASURED)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    for key, value in getattr(node, "workeroutput", {}).get("replayssm_measured", {}).items():
+        helpers.MEASURED[key] = max(helpers.MEASURED.get(key, 0.0), value)
 
 
 def pytest_terminal_summary(terminalreporter):
