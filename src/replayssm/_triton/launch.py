@@ -403,18 +403,13 @@ def due_scan(b: int, split: bool) -> dict:
     return dict(DUE_CH=rows, DUE_PASSES=triton.cdiv(b, rows) if rows else 0)
 
 
-#: Programs per tile of a refresh launch as a multiple of the slots due in a staggered step
-#: (``refresh_grid``); ``TUNING["refresh_spread"]`` overrides it.
-REFRESH_SPREAD = 1
-
-
 def refresh_grid(b: int, T: int, window: int) -> tuple[int, int]:
     """(n, rounds) of a refresh launch of its own over b batch rows: n programs per tile (the
-    grid's last dimension), REFRESH_SPREAD per slot due in a staggered step, ceil(b T / L), at most
-    b; program c refreshes the slots of ranks c, c + n, ..., c + (rounds - 1) n in the list of
-    slots due (``window.list_due``) that exist, so that every slot due is refreshed however many
-    are (aligned windows: all b)."""
-    n = max(1, min(b, TUNING.get("refresh_spread", REFRESH_SPREAD) * -(-b * T // window)))
+    grid's last dimension), one per slot due in a staggered step, ceil(b T / L); program c
+    refreshes the slots of ranks c, c + n, ..., c + (rounds - 1) n in the list of slots due
+    (``window.list_due``) that exist, so that every slot due is refreshed however many are
+    (aligned windows: all b)."""
+    n = max(1, min(b, -(-b * T // window)))
     return n, -(-b // n)
 
 
