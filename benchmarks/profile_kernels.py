@@ -62,7 +62,7 @@ def main(argv=None):
         arch, preset, mode, label, T = (config.split(":") + [""] * 3)[:5]
         mode, T = mode or "staggered", int(T or 1)
         launch.TUNING.clear()
-        launch.TUNING.update(launch.parse_shape(label) if label else {})
+        launch.TUNING.update(launch.parse_shape(label) if label not in ("", "default") else {})
         found.clear()
         try:
             measure.bench_one(Problem(arch, GEOMETRIES[args.model or DEFAULT_MODEL[arch]].geometry, args.batch, T),
