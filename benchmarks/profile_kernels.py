@@ -9,7 +9,7 @@ and longest single launch (in aligned windows the shortest refresh launch is one
 
 Each argument is ``arch:preset[:mode[:shape[:T]]]``, as for ``profile_steps.py`` (the ncu
 driver, which runs its own small setup): preset ``conv`` = our conventional kernel; mode
-staggered (the default), aligned or refresh; shape a ``launch.parse_shape`` label, empty for the
+staggered (the default), aligned or refresh; shape a ``launch.parse_shape`` label, empty or "default" for the
 tables' shapes; T > 1: verify rounds of T drafts, all accepted. Batch 256 unless ``--batch``; the
 layer kind's default model unless ``--model``.
 """
