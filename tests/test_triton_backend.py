@@ -613,7 +613,7 @@ def test_step_shapes_follow_the_policy():
     assert launch.step_shape(rs.Mamba2Cache(1, 2, 3, 5), "mamba2").rows == 1
     assert [launch.column_pad(rs.Mamba2Cache(1, 1, 16, 8, precision=p)) for p in ("s32_rs", "tp8_hi32")] == [16, 32]
     try:
-        launch.TUNING.update(rows=48, scores_warps=8)
+        launch.TUNING.update(rows=48, scores_warps=8, pdl=True)  # pdl: a launch option, not a shape field
         assert launch.step_shape(kda, "kda", 4).scores_warps == 8
         assert launch.step_shape(wide, "gdn").rows == launch.FOLD_ROWS
         launch.TUNING.update(rows=128)  # NVFP4: whole global-scale blocks, four of them
