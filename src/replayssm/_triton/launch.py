@@ -641,7 +641,8 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
                                beside=arch in SIDE_STREAM_ARCHS and batch * T >= cache.window and not first)
     if batch <= FUSED_MAX_BATCH and T <= FUSED_MAX_T and arch in FUSED_ARCHS:
         found = found._replace(**FUSED_SHAPE)
-    found = found._replace(**{key: value for key, value in TUNING.items() if key in StepShape._fields})  # not "pdl"
+    # TUNING also holds launch options that are no shape field ("pdl", ``programmatic``)
+    found = found._replace(**{key: value for key, value in TUNING.items() if key in StepShape._fields})
     if found.fused:
         found = found._replace(split=False, beside=False, output_dot=False, due_first=False)
     rows = found.rows

@@ -584,8 +584,8 @@ def same_run_section(peers_json: str, latest_json: str = "") -> tuple[str, str]:
     """(BENCHMARKS.md section, README table) from the same-run comparison's JSON (``bench.peers``)
     and, if given, the figures measured again since (``latest_json``: one measurement or a list of
     them, each {"commit", "gpu", "how", "rows": [{"arch", "model", "step", "preset", "us",
-    "before"}], optionally "columns": the time columns' names (one: no "before" column), "batch": the batch, 256 if
-    none, "readme": false to leave it out of the README's lines})."""
+    "before"}], optionally "columns": the time columns' names (one: no "before" column), "batch":
+    the batch, 256 if none, "readme": false to leave it out of the README's lines})."""
     from . import peers
 
     rep = peers.load(peers_json)
@@ -607,7 +607,8 @@ def same_run_section(peers_json: str, latest_json: str = "") -> tuple[str, str]:
     for latest in measured if isinstance(measured, list) else [measured]:
         columns = latest.get("columns", ["µs now", "µs in the run above"])
         rows = [[r["arch"], r["model"], r["step"], f"`{r['preset']}`", f"{r['us']:.1f}",
-                 "–" if r.get("before") is None else f"{r['before']:.1f}"][:4 + len(columns)] for r in latest["rows"]]
+                 "–" if r.get("before") is None else f"{r['before']:.1f}"][:4 + len(columns)]
+                for r in latest["rows"]]
         L += ["", f"### Measured again at commit `{latest['commit']}` ({latest['gpu']})", "", latest["how"], "",
               "\n".join(_md(["layer", "model", "step", "kernel", *columns], rows))]
         gdn = [f"`{r['preset']}` {r['step']} {r['us']:.0f} µs" for r in latest["rows"] if r["arch"] == "gdn"]
