@@ -337,7 +337,8 @@ def load_read(v_ptr, s_ptr, g_ptr, mat, gidx, rv, DV: tl.constexpr, DK: tl.const
     W: tl.constexpr = stored_width(DK, FMT)
     if FMT <= 2:
         ck = tl.arange(0, DKP)
-        v = tl.load(v_ptr + row[:, None] * DK + ck[None, :], mask=within(ck, DK)[None, :], other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + row[:, None] * DK + ck[None, :], mask=within(ck, DK)[None, :], other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
         return v, v, 1.0
     elif FMT == 3:
         NB: tl.constexpr = DKP // 32
@@ -511,7 +512,7 @@ def streamed_products(v_ptr, s_ptr, g_ptr, mat, gidx, rv, a_ptr, b_ptr, pid_b, h
         ok = within(cols, DK)[None, :]
         S = 0.0
         if FMT != 4:
-            S = tl.load(v_ptr + row[:, None] * W + cols[None, :], mask=ok, other=0.0)
+            S = tl.load(v_ptr + row[:, None] * W + cols[None, :], mask=ok, other=0.0, eviction_policy="evict_first")
         Q = tl.load(a_ptr + at + cols[None, :] * sqe, mask=(r < T) & ok, other=0.0).to(tl.float32)
         if ROWS > T:
             Q = tl.where(r < T, Q, tl.load(b_ptr + at + cols[None, :] * sqe, mask=(r >= T) & (r < ROWS) & ok,
