@@ -527,8 +527,11 @@ SMALL_BATCH_SHAPES = {
     ("gdn", "nvfp4"): ((1, dict(warps=4, output_dot=False, stream=0)), (2, {})),  # verify: SHAPES' entry
 }
 # KDA's step kernel runs GDN's inner loop (its per-channel decays are applied in the scores launch):
-# GDN's shapes, not swept for KDA on their own, with the refresh in a launch of their own where GDN
-# has the slots due beside the others (KDA's launches have no side stream)
+# GDN's shapes, with the refresh in a launch of their own where GDN has the slots due beside the
+# others (KDA's launches have no side stream). Swept for KDA at Kimi-Linear-48B's geometry (H100,
+# one run, batch 256, us): none beat them by more than 2% (decode s32_rs 340.9, 339.1 at 64 x 2;
+# tp16_hi32 276.0, 271.3 at 32 x 2; verify of 4 drafts s32_rs 642.8, 642.7 at 32 x 1; tp16_hi32
+# 586.8, 588.5 at 64 x 1; 2-warp, streamed-product and 4-warp-refresh shapes 1-15% slower)
 SHAPES.update({("kda", fmt): tuple((least, dict(fields, beside=False, split=True) if fields.get("beside") else fields)
                                    for least, fields in entries)
                for (arch, fmt), entries in list(SHAPES.items()) if arch == "gdn"})

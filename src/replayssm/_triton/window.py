@@ -101,13 +101,14 @@ def window_rows(buf_ptr, in_ptr, sb, st, sh, se, row, pid_b, h, head, NH, cols, 
                 T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr):
     """[LP, len(cols)] fp32 window of a per-token vector field: buffer [rows, L, NH, WIDTH],
     inputs [b, T, NH, WIDTH] of strides (sb, st, sh, se) (``launch.token_strides``), columns
-    ``cols`` of head ``head`` (a tile of them, zero from WIDTH on)."""
+    ``cols`` of head ``head`` (a tile of them, zero from WIDTH on). The buffer's entries are read
+    again next step: L2 keeps them last (the read copy streamed beside them goes first)."""
     j = tl.arange(0, LP)
     ok = within(cols, WIDTH)[None, :]
     old = j < h
     new = (j >= h) & (j < h + T)
     a = tl.load(buf_ptr + ((row * L + j[:, None]) * NH + head) * WIDTH + cols[None, :],
-                mask=old[:, None] & ok, other=0.0)
+                mask=old[:, None] & ok, other=0.0, eviction_policy="evict_last")
     b = tl.load(in_ptr + pid_b * sb + (j - h)[:, None] * st + head * sh + cols[None, :] * se,
                 mask=new[:, None] & ok, other=0.0)
     return a.to(tl.float32) + as_stored(b, buf_ptr.dtype.element_ty).to(tl.float32)

@@ -359,7 +359,7 @@ def _mamba2_step_program(
         tl.store(y_ptr + (q_tok * H + head) * DV + rv, tl.where(valid, y, 0.0).to(y_ptr.dtype.element_ty))
     # the new tokens' x rows (rounded to the buffer dtype): only this program reads them
     tl.store(bx_ptr + (buf_tok[:, None] * H + head) * DV + rv[None, :], X.to(bx_ptr.dtype.element_ty),
-             mask=new[:, None])
+             mask=new[:, None], eviction_policy="evict_last")
 
 
 @triton.jit
