@@ -81,7 +81,8 @@ WIDE = {"mamba2": dict(nheads=2, headdim=64, dstate=32, ngroups=1),
                                            ("gdn", "stream"), ("mamba2", "stream"),
                                            ("mamba2", "split"), ("gdn", "split"), ("gdn", "beside"),
                                            ("gdn", "beside_split"), ("mamba2", "beside"), ("gdn", "fused"),
-                                           ("mamba2", "fused")])
+                                           ("mamba2", "fused"), ("gdn", "split_solve_here"),
+                                           ("gdn", "beside_solve_here")])
 def test_triton_s32_matches_float64_reference(arch, variant):
     """Decode and verify rounds of every draft length and accept count, with pads and staggered
     slots, across refreshes: the default launch policy at a full 16-entry window (every step of
@@ -90,7 +91,8 @@ def test_triton_s32_matches_float64_reference(arch, variant):
     refresh in a launch of its own, whose one program per tile (``launch.refresh_grid`` of 4 slots)
     refreshes every slot due in turn; and the slots due refreshed and stepped in a launch of their
     own (``StepShape.beside``: each refresh a branch of its step, or after a refresh launch), the
-    other slots' step skipping them."""
+    other slots' step skipping them; GDN's refreshing programs solving their heads' systems
+    themselves (``StepShape.solve_here``) in a refresh launch or beside the others."""
     from replayssm._triton import launch
 
     layer = TritonLayer(arch, **(WIDE[arch] if variant == "rows64" else {}))
@@ -98,7 +100,9 @@ def test_triton_s32_matches_float64_reference(arch, variant):
     tr = helpers.Tracker(layer, layer.cache(4, window=window, max_draft=4), seed=3)
     launch.TUNING.update({"rows64": dict(rows=64), "stream": dict(output_dot=True, stream=2), "split": dict(split=True),
                           "beside": dict(split=False, beside=True),
-                          "beside_split": dict(split=True, beside=True), "fused": dict(fused=True)}.get(variant, {}))
+                          "beside_split": dict(split=True, beside=True), "fused": dict(fused=True),
+                          "split_solve_here": dict(split=True, solve_here=True),
+                          "beside_solve_here": dict(split=False, beside=True, solve_here=True)}.get(variant, {}))
     try:
         _schedule(tr, rounds=10 if variant == "default" else 6, rng=None)
     finally:
@@ -297,6 +301,8 @@ def test_triton_read_precision_and_tile_leave_anchor_bit_identical(arch):
     runs["s32_rs@64"] = layer.cache(2, window=4, max_draft=2, precision="s32_rs")
     # two slots, at most 2 tokens: one launch by default (``launch.FUSED_MAX_BATCH``); the launches too
     runs["s32_rs@launches"] = layer.cache(2, window=4, max_draft=2, precision="s32_rs")
+    if arch == "gdn":  # each refreshing program solves its own head's system (no solve launch)
+        runs["s32_rs@solve_here"] = layer.cache(2, window=4, max_draft=2, precision="s32_rs")
     outs = {p: [] for p in runs}
     for c in runs.values():
         c.load_state(slots, state)
@@ -305,7 +311,8 @@ def test_triton_read_precision_and_tile_leave_anchor_bit_identical(arch):
         tok = layer.tokens(g, 2, T)
         for p, c in runs.items():
             launch.TUNING.clear()
-            launch.TUNING.update({"@64": dict(rows=64), "@launches": dict(fused=False)}.get(p[p.find("@"):], {}))
+            launch.TUNING.update({"@64": dict(rows=64), "@launches": dict(fused=False),
+                                  "@solve_here": dict(fused=False, solve_here=True)}.get(p[p.find("@"):], {}))
             try:
                 outs[p].append(layer.run(c, slots, tok, T > 1).reshape(-1))
                 if T > 1:
@@ -571,6 +578,15 @@ def test_step_shapes_follow_the_policy():
         assert launch.step_shape(wide, "gdn", T, batch=batch).beside and not launch.step_shape(
             wide, "gdn", T, batch=batch).due_first, (T, batch)
     assert not launch.step_shape(wide, "gdn", 1).due_first and not launch.step_shape(wide, "gdn", 1, batch=1).due_first
+    # GDN fp32 decode beside the others: the refreshing programs solve their heads' systems where the
+    # others' step is short (batch x value heads <= 1024), not in verify, at batch 256 or from fp16
+    qwen3_next = rs.GDNCache(1, 16, 32, 128, 128, precision="s32_rs")
+    assert launch.step_shape(qwen3_next, "gdn", 1, batch=32).solve_here
+    assert not launch.step_shape(qwen3_next, "gdn", 4, batch=32).solve_here
+    assert not launch.step_shape(qwen3_next, "gdn", 1, batch=256).solve_here
+    assert not launch.step_shape(rs.GDNCache(1, 16, 64, 128, 128, precision="s32_rs"), "gdn", 1, batch=32).solve_here
+    assert not launch.step_shape(rs.GDNCache(1, 16, 32, 128, 128, precision="tp16_hi32"), "gdn", 1,
+                                 batch=32).solve_here
     m2_32 = launch.step_shape(rs.Mamba2Cache(1, 2, 64, 128), "mamba2", 1, batch=32)
     assert m2_32.due_first and not m2_32.beside
     assert not launch.step_shape(rs.Mamba2Cache(1, 2, 64, 128), "mamba2", 1).due_first

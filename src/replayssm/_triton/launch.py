@@ -439,6 +439,8 @@ class StepShape(NamedTuple):
     due_first: bool = False  #: the launch over every slot visits the slots due first (``DUE_FIRST``,
     #: ``window.step_item``), the refresh a branch
     scores_warps: int = 2  #: warps per program of the scores launch (``SCORES_WARPS``)
+    solve_here: bool = False  #: GDN: each refreshing program solves its head's residual system itself
+    #: (as a step of one launch does), with no solve launch before the refresh
 
 
 #: Step shapes by (architecture, read format): entries (least draft length, fields of StepShape that
@@ -594,6 +596,16 @@ DUE_FIRST_ARCHS = ("mamba2", "gdn")
 #: 4 drafts 779.0 -> 803.1 against a refresh launch of its own).
 DUE_FIRST_MAX_BATCH = 16
 
+#: GDN decode from fp32 read copies with the slots due beside the others below SPLIT_MIN_BATCH: where
+#: the other slots' step is short (batch x value heads <= SOLVE_HERE_MAX_HEAD_ROWS), the side stream's
+#: chain (the solve launch, then the launch over the slots due) is the step's critical path, and each
+#: refreshing program solves its head's system itself instead (``StepShape.solve_here``, one launch less
+#: on that chain). H100, one run, s32_rs, us per step, solve launch -> solve in the programs: batch 32
+#: decode with Qwen3-Next's 32 value heads 43.2 -> 35.2; with Qwen3.5-122B's 64 59.1 -> 60.4
+#: (tp16_hi32 48.9 -> 51.1); verify of 4 drafts 84.4 -> 91.9 and 130.9 -> 140.1; batch 256 decode
+#: 465.1 -> 480.0, verify 725.6 -> 813.1 (each program then repeats its head's solve).
+SOLVE_HERE_MAX_HEAD_ROWS = 1024
+
 
 #: Steps of at most FUSED_MAX_T tokens over at most FUSED_MAX_BATCH batch rows run as one launch
 #: (``StepShape.fused``, FUSED_SHAPE), where a step is launch latency (H200, one run, staggered, us
@@ -622,7 +634,8 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
     """The launch shape of a step of T tokens over ``batch`` rows of ``cache`` (``SHAPES``; below
     SPLIT_MIN_BATCH rows ``SMALL_BATCH_SHAPES`` over it, the refresh a branch, the slots due first
     (``DUE_FIRST_ARCHS``) or, at larger batches of ``SIDE_STREAM_ARCHS``, beside the others where a
-    step expects one (``DUE_FIRST_MAX_BATCH``); one launch for the smallest steps,
+    step expects one (``DUE_FIRST_MAX_BATCH``; GDN's fp32 decode then solving in the refreshing
+    programs where the others' step is short, ``SOLVE_HERE_MAX_HEAD_ROWS``); one launch for the smallest steps,
     ``FUSED_MAX_BATCH``; ``TUNING`` over it). Rows are a multiple of FOLD_ROWS that divides dv,
     or the cache's row block (gcd(dv, 32), a power of two: 16 for dv = 80, 8 for dv = 8 or 24)
     where dv is not a multiple of FOLD_ROWS or is at most FOLD_ROWS: a program owns whole NVFP4
@@ -642,6 +655,8 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
             batch <= DUE_FIRST_MAX_BATCH and batch * T <= 2 * cache.window))
         found = found._replace(split=False, due_first=first,
                                beside=arch in SIDE_STREAM_ARCHS and batch * T >= cache.window and not first)
+        found = found._replace(solve_here=found.beside and arch == "gdn" and fmt == "fp32" and T == 1
+                               and batch * cache.nheads <= SOLVE_HERE_MAX_HEAD_ROWS)
     if batch <= FUSED_MAX_BATCH and T <= FUSED_MAX_T and arch in FUSED_ARCHS:
         found = found._replace(**FUSED_SHAPE)
     # TUNING also holds launch options that are no shape field ("pdl", ``programmatic``)
@@ -663,13 +678,16 @@ def parse_shape(text: str) -> dict:
     chunks in flight of a streamed read copy (2 if none given), "s" (a refresh launch of its own,
     optionally with its warps) or "f" (the refresh a branch of the step), "b" (the slots due beside
     the others, ``StepShape.beside``; "fb": with the refresh a branch of their step), "u" (the whole
-    step in one launch, ``StepShape.fused``), "n" and the fold's pipeline stages, "r" and a register
-    cap. E.g. "32x1", "32x1v16", "64x4ok3", "32x1v16s2n3", "32x1f", "32x1u"."""
-    m = re.fullmatch(r"(\d+)x(\d+)(?:v(\d+))?(o)?(?:k(\d*))?(?:s(\d*)|(f))?(b)?(u)?(?:n(\d+))?(?:r(\d+))?", text)
+    step in one launch, ``StepShape.fused``), "h" (GDN: each refreshing program solves its own system,
+    ``StepShape.solve_here``), "n" and the fold's pipeline stages, "r" and a register cap. E.g. "32x1",
+    "32x1v16", "64x4ok3", "32x1v16s2n3", "32x1f", "32x1u", "64x2ok3h"."""
+    m = re.fullmatch(r"(\d+)x(\d+)(?:v(\d+))?(o)?(?:k(\d*))?(?:s(\d*)|(f))?(b)?(u)?(h)?(?:n(\d+))?(?:r(\d+))?", text)
     if not m:
         raise ValueError(f"cannot read the shape label {text!r} (e.g. '32x1', '32x1v16', '64x4ok3')")
-    rows, warps, pin, dot, stream, split, branch, beside, fused, stages, maxnreg = m.groups()
+    rows, warps, pin, dot, stream, split, branch, beside, fused, here, stages, maxnreg = m.groups()
     out = dict(rows=int(rows), warps=int(warps))
+    if here:
+        out["solve_here"] = True
     if beside:
         out["beside"] = True
     if fused:

@@ -309,14 +309,16 @@ def _gdn_refresh_rows(pid_b, head, khead, row, h, r0, seeds_ptr, tokens_ptr, Tin
 
 @triton.jit
 def _gdn_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, decays_ptr, av_ptr, as_ptr, ag_ptr,
-                        rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, due_ptr, HV, HK, T: tl.constexpr,
-                        L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
-                        FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
+                        rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, bg_ptr, due_ptr, HV, HK,
+                        T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
+                        DKP: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
                         R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr,
-                        READ_AFTER: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
+                        READ_AFTER: tl.constexpr, ROUNDS: tl.constexpr, SOLVE_HERE: tl.constexpr,
+                        SQUARINGS: tl.constexpr, PDL: tl.constexpr):
     """The refresh in a launch of its own (``StepShape.split``): program (v, head, c) refreshes FR
     rows of value head ``head`` of the slots due of ranks c, c + n, ... in the list the scores launch
-    made (``window.list_due``; n programs per tile, ``launch.refresh_grid``)."""
+    made (``window.list_due``; n programs per tile, ``launch.refresh_grid``). SOLVE_HERE: each
+    program solves its head's system itself (``_solve_here``), with no solve launch before."""
     after_previous_launch(PDL)
     pid_v, head, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     count = tl.load(due_ptr)
@@ -324,8 +326,13 @@ def _gdn_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
         r = c + it * tl.num_programs(2)
         if r < count:
             pid_b, row, h = due_slot(due_ptr, slots_ptr, cursors_ptr, r)
-            Tinv, ec, es, total = _solved(tinv_ptr, decays_ptr, pid_b, head, HV, LP)
-            _gdn_refresh_rows(pid_b, head, head // (HV // HK), row, h, pid_v * FR, seeds_ptr, tokens_ptr, Tinv, ec,
+            khead = head // (HV // HK)
+            if SOLVE_HERE:
+                Tinv, ec, es, total = _solve_here(bk_ptr, bks_ptr, bg_ptr, bbeta_ptr, row, khead, head, h, HK, HV, L,
+                                                  LP, DK, DKP, SQUARINGS)
+            else:
+                Tinv, ec, es, total = _solved(tinv_ptr, decays_ptr, pid_b, head, HV, LP)
+            _gdn_refresh_rows(pid_b, head, khead, row, h, pid_v * FR, seeds_ptr, tokens_ptr, Tinv, ec,
                               es, total, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr,
                               bbeta_ptr, HV, HK, L, LP, DV, DK, DKP, FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED,
                               STAGES, READ_AFTER)
@@ -432,7 +439,7 @@ def _gdn_step_program(
         SHARED: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr, STREAM: tl.constexpr,
         PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr,
         FUSED: tl.constexpr, NORM: tl.constexpr, GATE: tl.constexpr, HAS_DTB: tl.constexpr, TREE: tl.constexpr,
-        SQUARINGS: tl.constexpr):
+        SQUARINGS: tl.constexpr, SOLVE_HERE: tl.constexpr):
     """Rows pid_v BV .. (pid_v + 1) BV of value head ``head`` of batch row ``pid_b`` (storage row
     ``row``, h committed entries, ``need``: due to refresh, folded here first when REFRESH). FUSED
     (a step of one launch): the program solves its own refresh (``_solve_here``) and prepares its
@@ -446,7 +453,7 @@ def _gdn_step_program(
     j = tl.arange(0, LP)
     if REFRESH:
         if need:  # refresh: re-solve the committed residuals from the anchor, fold, encode
-            if FUSED:
+            if FUSED or SOLVE_HERE:
                 Tinv, ec, es, total = _solve_here(bk_ptr, bks_ptr, bg_ptr, bbeta_ptr, row, khead, head, h, HK, HV, L,
                                                   LP, DK, DKP, SQUARINGS)
             else:
@@ -530,6 +537,7 @@ def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, de
                      F3P: tl.constexpr, W3: tl.constexpr, F4: tl.constexpr, F4P: tl.constexpr,
                      W4: tl.constexpr, FUSED: tl.constexpr, NORM: tl.constexpr, GATE: tl.constexpr,
                      HAS_DTB: tl.constexpr, TREE: tl.constexpr, MAXD: tl.constexpr, SQUARINGS: tl.constexpr,
+                     SOLVE_HERE: tl.constexpr,
                      PDL: tl.constexpr):
     """Program (v, head, c). FUSED: the whole step in this one launch (``StepShape.fused``): c is
     the batch row, whose committed count every program reads before the row's last program to
@@ -560,7 +568,7 @@ def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, de
                 sqb, sqt, sqh, sqe, skb, skt, skh, ske, g_ptr, sgb, sgt, sgh, alog_ptr, s_alog, dtb_ptr, s_dtb, bg_ptr,
                 ks_ptr, gn_ptr, betan_ptr, parents_ptr, scale, T, L, LP, DV, DK, DKP, BV, FR, KC, A_FMT, A_SR, R_FMT,
                 R_SR, SHARED, OUTPUT_DOT, QP, STREAM, PIN, REFRESH, STAGES, READ_AFTER, FUSED, NORM, GATE, HAS_DTB,
-                TREE, SQUARINGS)
+                TREE, SQUARINGS, SOLVE_HERE)
             counted = need & REFRESH
             if FUSED:  # the last program advances, after every program of the row has read its cursor
                 counted = valid
@@ -611,6 +619,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     step_consts = dict(T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, BV=shape.rows, FR=FR, KC=KC,
                        OUTPUT_DOT=shape.output_dot, QP=max(16, triton.next_power_of_2(2 * T)), STREAM=shape.stream,
                        PIN=shape.pin, STAGES=shape.stages, READ_AFTER=read_after, SQUARINGS=LP.bit_length() - 2,
+                       SOLVE_HERE=shape.solve_here,
                        num_warps=shape.warps, **consts, **advance_consts, **tokens_consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
     if shape.fused:  # one launch: every program prepares its own inputs, and solves its own refresh
@@ -645,16 +654,17 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     solve_consts = dict(L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, RP=triton.next_power_of_2(HV // HK),
                         SQUARINGS=LP.bit_length() - 2, ROUNDS=rounds, num_warps=SOLVE_WARPS)
     refresh_args = (slots, cursors, cache.tokens, cache.seeds, tinv, decays, *anchor, *read,
-                    buf["k"], buf["k_scale"], buf["v"], buf["beta"], due, HV, HK)
+                    buf["k"], buf["k_scale"], buf["v"], buf["beta"], buf["g"], due, HV, HK)
     refresh_consts = dict(T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, FR=FR, KC=KC, STAGES=shape.stages,
-                          READ_AFTER=read_after, ROUNDS=rounds, num_warps=shape.refresh_warps, **consts,
+                          READ_AFTER=read_after, ROUNDS=rounds, SOLVE_HERE=shape.solve_here,
+                          SQUARINGS=LP.bit_length() - 2, num_warps=shape.refresh_warps, **consts,
                           **({"maxnreg": shape.refresh_maxnreg} if shape.refresh_maxnreg else {}))
     # the scores launch's prepared q, k; the fused-only inputs unused (zero strides: one compile)
     step_args = (slots, cursors, cache.tokens, cache.seeds, tinv, decays, *anchor, *read, buf["k"], buf["k_scale"],
                  buf["v"], buf["beta"], buf["u"], qn, kn, v, *strides(v), beta, *strides(beta)[:3], scores, gammas, o,
                  due, cache.scratch_row, HV, HK, *[0] * 8, g, 0, 0, 0, g, 0, g, 0, buf["g"], k_scale, g, beta, tree,
                  cache.draft_gaps, float(scale), *advanced)
-    due_work = [(_gdn_solve_kernel, (HK, programs), solve, solve_consts)]
+    due_work = [] if shape.solve_here else [(_gdn_solve_kernel, (HK, programs), solve, solve_consts)]
     if shape.split:
         due_work.append((_gdn_refresh_kernel, (V // FR, HV, programs), refresh_args, refresh_consts))
     launch.step_launches(_gdn_step_kernel, (V // shape.rows, HV), b, shape, programs, rounds, step_args,
