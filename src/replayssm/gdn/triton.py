@@ -9,9 +9,11 @@ GDN's residuals are separable over state rows; one of a batch row's programs als
 shared buffer fields k, k_scale, g, beta and moves the cursors, ``launch.advance_row``). Where the
 launch policy puts the slots due beside the others (``launch.StepShape.beside``), their solve and
 a step launch over them only, each program refreshing its rows first, run on a side stream beside
-the step launch over the other slots. The smallest steps are one launch
-(``launch.StepShape.fused``): each step program does the scores launch's work for its own value
-head (``_prepared_tokens``) and, where its slot is due, the solve's (``_solve_here``).
+the step launch over the other slots. With ``launch.StepShape.solve_here`` each refreshing
+program solves its head's system itself (``_solve_here``) and there is no solve launch. The
+smallest steps are one launch (``launch.StepShape.fused``): each step program does the scores
+launch's work for its own value head (``_prepared_tokens``) and, where its slot is due, the
+solve's (``_solve_here``).
 
 A program whose slot is due re-solves the committed residuals from the *anchor*. With c_j the log
 decay from the checkpoint through entry j and g(i, j] the one between entries, the residuals solve
