@@ -427,6 +427,52 @@ def _prepared_tokens(q_ptr, sqb, sqt, sqh, sqe, k_ptr, skb, skt, skh, ske, v_ptr
 
 
 @triton.jit
+def _new_tokens(tokens_in, gammas, U, rv_ptr, rs_ptr, rg_ptr, ra, rb, rsc, k_ptr, q_ptr, o_ptr, bv_ptr, bu_ptr, mat, gidx,
+                rv, pid_b, valid, row, h, head, khead, HV, HK, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
+                DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, R_FMT: tl.constexpr, OUTPUT_DOT: tl.constexpr,
+                QP: tl.constexpr, STREAM: tl.constexpr, PIN: tl.constexpr, DECAYED: tl.constexpr):
+    """The read path of a step program over rows ``rv`` of value head ``head`` (GDN's and KDA's):
+    each new token's residual and output from the read copy (``ra, rb, rsc`` as ``load_read`` gave
+    them, or with OUTPUT_DOT streamed through tensor-core products with k, q [b, T, HK, DK] of key
+    head ``khead``) and the window's residuals U [BV, LP] (h committed), in token order; the
+    outputs into o [b, T, HV, DV], v_s and u_s into the buffer. ``tokens_in``: ``_token_loads``'
+    tuple; DECAYED: the read-copy products times ``gammas`` (GDN's e^{c_t}; KDA's decays are in
+    its prepared keys and queries)."""
+    j = tl.arange(0, LP)
+    if PIN:
+        pin_vector_width(rv_ptr, mat, rv, tl.arange(0, DKP), h < 0, DV, DK, PIN)
+    if OUTPUT_DOT:  # every S_read k_s and S_read q_s of the step in one product; columns k_0..k_{T-1}, q_0..q_{T-1}
+        KB: tl.constexpr = 32 if DKP >= 32 else DKP  # one fp8 scale block (two NVFP4 ones), or the padded row
+        SQ = streamed_products(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, k_ptr, q_ptr, pid_b, khead,
+                               T * HK * DK, HK * DK, DK, 1, T, 2 * T, DV, DK, R_FMT, QP, KB, STREAM)
+    for s in tl.static_range(T):
+        t = h + s
+        tok_in = pid_b * T + s
+        tok_buf = row * L + t
+        v_s, beta_s, to_k, to_q, ka, kb, qa, qb = tokens_in[s]
+        # residual u_s = beta_s (v_s - alpha_s S_{t-1} k_s), with S_{t-1} (the parent's state) never formed
+        if OUTPUT_DOT:
+            Sk_read = column(SQ, s)
+        else:
+            Sk_read = matvec(ra, rb, rsc, ka, kb, R_FMT)
+        if DECAYED:
+            Sk_read = gammas[s] * Sk_read
+        u_s = beta_s * (v_s.to(tl.float32) - Sk_read - tl.sum(U * to_k[None, :], 1))
+        U = tl.where(j[None, :] == t, u_s[:, None], U)
+        # output o_s = S_t q_s = gamma_t S_read q_s + sum_{j <= t} gamma_{j+1:t} (k_j . q_s) u_j
+        if OUTPUT_DOT:
+            Sq_read = column(SQ, T + s)
+        else:
+            Sq_read = matvec(ra, rb, rsc, qa, qb, R_FMT)
+        if DECAYED:
+            Sq_read = gammas[s] * Sq_read
+        o = Sq_read + tl.sum(U * to_q[None, :], 1)
+        tl.store(o_ptr + (tok_in * HV + head) * DV + rv, tl.where(valid, o, 0.0).to(o_ptr.dtype.element_ty))
+        tl.store(bv_ptr + (tok_buf * HV + head) * DV + rv, v_s)  # rows only this program reads
+        tl.store(bu_ptr + (tok_buf * HV + head) * DV + rv, u_s)
+
+
+@triton.jit
 def _gdn_step_program(
         pid_v, head, pid_b, valid, row, h, need,
         slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, decays_ptr,
@@ -451,7 +497,6 @@ def _gdn_step_program(
     mat = row * HV + head
     gidx = global_scale_index(mat, pid_v * BV, BV, DV)  # NVFP4: the global scales of these rows
     rv = pid_v * BV + tl.arange(0, BV)
-    ck = tl.arange(0, DKP)
     j = tl.arange(0, LP)
     if REFRESH:
         if need:  # refresh: re-solve the committed residuals from the anchor, fold, encode
@@ -486,33 +531,9 @@ def _gdn_step_program(
         gammas = ()
         for s in tl.static_range(T):
             gammas = gammas + (tl.load(gammas_ptr + (pid_b * HV + head) * T + s),)
-    if PIN:
-        pin_vector_width(rv_ptr, mat, rv, ck, h < 0, DV, DK, PIN)
-    if OUTPUT_DOT:  # every S_read k_s and S_read q_s of the step in one product; columns k_0..k_{T-1}, q_0..q_{T-1}
-        KB: tl.constexpr = 32 if DKP >= 32 else DKP  # one fp8 scale block (two NVFP4 ones), or the padded row
-        SQ = streamed_products(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, k_ptr, q_ptr, pid_b, khead,
-                               T * HK * DK, HK * DK, DK, 1, T, 2 * T, DV, DK, R_FMT, QP, KB, STREAM)
-    for s in tl.static_range(T):
-        t = h + s
-        tok_in = pid_b * T + s
-        tok_buf = row * L + t
-        v_s, beta_s, to_k, to_q, ka, kb, qa, qb = tokens_in[s]
-        # residual u_s = beta_s (v_s - alpha_s S_{t-1} k_s), with S_{t-1} (the parent's state) never formed
-        if OUTPUT_DOT:
-            Sk_read = column(SQ, s)
-        else:
-            Sk_read = matvec(ra, rb, rsc, ka, kb, R_FMT)
-        u_s = beta_s * (v_s.to(tl.float32) - gammas[s] * Sk_read - tl.sum(U * to_k[None, :], 1))
-        U = tl.where(j[None, :] == t, u_s[:, None], U)
-        # output o_s = S_t q_s = gamma_t S_read q_s + sum_{j <= t} gamma_{j+1:t} (k_j . q_s) u_j
-        if OUTPUT_DOT:
-            Sq_read = column(SQ, T + s)
-        else:
-            Sq_read = matvec(ra, rb, rsc, qa, qb, R_FMT)
-        o = gammas[s] * Sq_read + tl.sum(U * to_q[None, :], 1)
-        tl.store(o_ptr + (tok_in * HV + head) * DV + rv, tl.where(valid, o, 0.0).to(o_ptr.dtype.element_ty))
-        tl.store(bv_ptr + (tok_buf * HV + head) * DV + rv, v_s)  # rows only this program reads
-        tl.store(bu_ptr + (tok_buf * HV + head) * DV + rv, u_s)
+    _new_tokens(tokens_in, gammas, U, rv_ptr, rs_ptr, rg_ptr, ra, rb, rsc, k_ptr, q_ptr, o_ptr, bv_ptr, bu_ptr, mat,
+                gidx, rv, pid_b, valid, row, h, head, khead, HV, HK, T, L, LP, DV, DK, DKP, R_FMT, OUTPUT_DOT, QP,
+                STREAM, PIN, True)
 
 
 @triton.jit

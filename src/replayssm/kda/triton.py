@@ -49,14 +49,10 @@ import triton.language as tl
 from .._triton import launch
 from .._triton.formats import (
     as_stored,
-    column,
     global_scale_index,
     load_read,
     load_tile,
-    matvec,
-    pin_vector_width,
     read_copy_from_anchor,
-    streamed_products,
     within,
     write_checkpoint,
 )
@@ -66,6 +62,7 @@ from .._triton.window import (ancestor_bits, draft_bits, draft_view, due_slot, l
                               slot_cursor, slot_row, step_cursor, window_keys, window_rows)
 from ..gdn.triton import (
     SOLVE_WARPS,
+    _new_tokens,  # the read path, with KDA's decays already in its prepared keys and queries
     _token_loads,  # the new tokens' inputs, laid out per value head as GDN's per key head
 )
 
@@ -339,7 +336,6 @@ def _kda_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, rk
     mat = row * HV + head
     gidx = global_scale_index(mat, pid_v * BV, BV, DV)  # NVFP4: the global scales of these rows
     rv = pid_v * BV + tl.arange(0, BV)
-    ck = tl.arange(0, DKP)
     j = tl.arange(0, LP)
     if REFRESH:
         if need:  # refresh: re-solve the committed residuals from the anchor, fold, encode
@@ -357,33 +353,9 @@ def _kda_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, rk
     U = tl.load(bu_ptr + ((row * L + j[None, :]) * HV + head) * DV + rv[:, None], mask=(j < h)[None, :], other=0.0)
     tokens_in = _token_loads(qd_ptr, kd_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr, bv_ptr,
                              pid_b, head, head, rv, HV, HV, T, LP, DV, DK, DKP, R_FMT, OUTPUT_DOT)
-    if PIN:
-        pin_vector_width(rv_ptr, mat, rv, ck, h < 0, DV, DK, PIN)
-    if OUTPUT_DOT:  # every S_read kd_s and S_read qd_s of the step in one product
-        KB: tl.constexpr = 32 if DKP >= 32 else DKP  # one fp8 scale block (two NVFP4 ones), or the padded row
-        SQ = streamed_products(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, kd_ptr, qd_ptr, pid_b, head,
-                               T * HV * DK, HV * DK, DK, 1, T, 2 * T, DV, DK, R_FMT, QP, KB, STREAM)
-    for s in tl.static_range(T):
-        t = h + s
-        tok_in = pid_b * T + s
-        tok_buf = row * L + t
-        v_s, beta_s, k_scores, q_scores, ka, kb, qa, qb = tokens_in[s]
-        # residual u_s = beta_s (v_s - S_{t-1} D_t k_s), with S_{t-1} never formed
-        if OUTPUT_DOT:
-            Sk_read = column(SQ, s)
-        else:
-            Sk_read = matvec(ra, rb, rsc, ka, kb, R_FMT)
-        u_s = beta_s * (v_s.to(tl.float32) - Sk_read - tl.sum(U * k_scores[None, :], 1))
-        U = tl.where(j[None, :] == t, u_s[:, None], U)
-        # output o_s = S_t q_s = S_read qd_s + sum_{j <= t} <k_j, q_s>_{j:t} u_j
-        if OUTPUT_DOT:
-            Sq_read = column(SQ, T + s)
-        else:
-            Sq_read = matvec(ra, rb, rsc, qa, qb, R_FMT)
-        o = Sq_read + tl.sum(U * q_scores[None, :], 1)
-        tl.store(o_ptr + (tok_in * HV + head) * DV + rv, tl.where(valid, o, 0.0).to(o_ptr.dtype.element_ty))
-        tl.store(bv_ptr + (tok_buf * HV + head) * DV + rv, v_s)  # rows only this program reads
-        tl.store(bu_ptr + (tok_buf * HV + head) * DV + rv, u_s)
+    _new_tokens(tokens_in, (), U, rv_ptr, rs_ptr, rg_ptr, ra, rb, rsc, kd_ptr, qd_ptr, o_ptr, bv_ptr, bu_ptr, mat,
+                gidx, rv, pid_b, valid, row, h, head, head, HV, HV, T, L, LP, DV, DK, DKP, R_FMT, OUTPUT_DOT, QP,
+                STREAM, PIN, False)
     advance_row(pid_b, valid, row, tl.where(need, 0, h), need, (pid_v == 0) & (head == 0), need & REFRESH,
                 tokens_ptr, committed_ptr, pending_ptr, refreshes_ptr, done_ptr, s1, s1b, s1t, s1h, s1e, d1,
                 s2, s2b, s2t, s2h, s2e, d2, s3, s3b, s3t, s3h, s3e, d3, s4, s4b, s4t, s4h, s4e, d4, T, L,
