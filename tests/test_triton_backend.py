@@ -303,6 +303,7 @@ def test_triton_read_precision_and_tile_leave_anchor_bit_identical(arch):
     runs["s32_rs@launches"] = layer.cache(2, window=4, max_draft=2, precision="s32_rs")
     if arch == "gdn":  # each refreshing program solves its own head's system (no solve launch)
         runs["s32_rs@solve_here"] = layer.cache(2, window=4, max_draft=2, precision="s32_rs")
+        runs["tp16_hi32@solve_here"] = layer.cache(2, window=4, max_draft=2, precision="tp16_hi32")
     outs = {p: [] for p in runs}
     for c in runs.values():
         c.load_state(slots, state)
@@ -578,14 +579,20 @@ def test_step_shapes_follow_the_policy():
         assert launch.step_shape(wide, "gdn", T, batch=batch).beside and not launch.step_shape(
             wide, "gdn", T, batch=batch).due_first, (T, batch)
     assert not launch.step_shape(wide, "gdn", 1).due_first and not launch.step_shape(wide, "gdn", 1, batch=1).due_first
-    # GDN fp32 decode beside the others: the refreshing programs solve their heads' systems where the
-    # others' step is short (batch x value heads <= 1024), not in verify, at batch 256 or from fp16
+    # GDN decode beside the others from fp32 and 2-byte read copies: the refreshing programs solve their
+    # heads' systems where the others' step is short (batch x value heads <= 1536), not in verify, at
+    # batch 256 or from fp8
     qwen3_next = rs.GDNCache(1, 16, 32, 128, 128, precision="s32_rs")
-    assert launch.step_shape(qwen3_next, "gdn", 1, batch=32).solve_here
+    for batch in (24, 32, 48):
+        assert launch.step_shape(qwen3_next, "gdn", 1, batch=batch).solve_here, batch
     assert not launch.step_shape(qwen3_next, "gdn", 4, batch=32).solve_here
     assert not launch.step_shape(qwen3_next, "gdn", 1, batch=256).solve_here
-    assert not launch.step_shape(rs.GDNCache(1, 16, 64, 128, 128, precision="s32_rs"), "gdn", 1, batch=32).solve_here
-    assert not launch.step_shape(rs.GDNCache(1, 16, 32, 128, 128, precision="tp16_hi32"), "gdn", 1,
+    qwen35 = rs.GDNCache(1, 16, 64, 128, 128, precision="s32_rs")
+    assert launch.step_shape(qwen35, "gdn", 1, batch=24).solve_here
+    assert not launch.step_shape(qwen35, "gdn", 1, batch=32).solve_here
+    for preset in ("tp16_hi32", "tpbf16_hi32"):
+        assert launch.step_shape(rs.GDNCache(1, 16, 32, 128, 128, precision=preset), "gdn", 1, batch=32).solve_here
+    assert not launch.step_shape(rs.GDNCache(1, 16, 32, 128, 128, precision="tp8_hi32"), "gdn", 1,
                                  batch=32).solve_here
     m2_32 = launch.step_shape(rs.Mamba2Cache(1, 2, 64, 128), "mamba2", 1, batch=32)
     assert m2_32.due_first and not m2_32.beside

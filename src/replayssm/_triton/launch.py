@@ -596,15 +596,20 @@ DUE_FIRST_ARCHS = ("mamba2", "gdn")
 #: 4 drafts 779.0 -> 803.1 against a refresh launch of its own).
 DUE_FIRST_MAX_BATCH = 16
 
-#: GDN decode from fp32 read copies with the slots due beside the others below SPLIT_MIN_BATCH: where
-#: the other slots' step is short (batch x value heads <= SOLVE_HERE_MAX_HEAD_ROWS), the side stream's
-#: chain (the solve launch, then the launch over the slots due) is the step's critical path, and each
-#: refreshing program solves its head's system itself instead (``StepShape.solve_here``, one launch less
-#: on that chain). H100, one run, s32_rs, us per step, solve launch -> solve in the programs: batch 32
-#: decode with Qwen3-Next's 32 value heads 43.2 -> 35.2; with Qwen3.5-122B's 64 59.1 -> 60.4
-#: (tp16_hi32 48.9 -> 51.1); verify of 4 drafts 84.4 -> 91.9 and 130.9 -> 140.1; batch 256 decode
-#: 465.1 -> 480.0, verify 725.6 -> 813.1 (each program then repeats its head's solve).
-SOLVE_HERE_MAX_HEAD_ROWS = 1024
+#: GDN decode from fp32 and 2-byte read copies with the slots due beside the others below
+#: SPLIT_MIN_BATCH: where the other slots' step is short (batch x value heads <=
+#: SOLVE_HERE_MAX_HEAD_ROWS), the side stream's chain (the solve launch, then the launch over the
+#: slots due) is the step's critical path, and each refreshing program solves its head's system itself
+#: instead (``StepShape.solve_here``, one launch less on that chain). H100, one run, us per step,
+#: solve launch -> solve in the programs, s32_rs / tp16_hi32 / tpbf16_hi32: Qwen3-Next's 32 value
+#: heads at batch 24 37.6 -> 31.4 / 36.7 -> 28.6 / 38.1 -> 31.1, batch 32 43.2 -> 35.1 / 39.6 -> 32.7 /
+#: 41.4 -> 35.0, batch 48 48.5 -> 46.5 / 42.8 -> 41.6 / 44.0 -> 44.5; Qwen3.5-122B's 64 at batch 17
+#: 43.0 -> 36.3 / 40.0 -> 33.3 / 41.1 -> 35.6, batch 24 49.1 -> 46.9 / 44.3 -> 41.3, but batch 32
+#: 58.9 -> 59.8 / 48.7 -> 51.2 / 50.0 -> 54.2. Earlier: verify of 4 drafts 84.4 -> 91.9 and 130.9 ->
+#: 140.1; batch 256 decode 465.1 -> 480.0, verify 725.6 -> 813.1 (each program then repeats its
+#: head's solve).
+SOLVE_HERE_MAX_HEAD_ROWS = 1536
+SOLVE_HERE_FORMATS = ("fp32", "fp16", "bf16")
 
 
 #: Steps of at most FUSED_MAX_T tokens over at most FUSED_MAX_BATCH batch rows run as one launch
@@ -634,7 +639,7 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
     """The launch shape of a step of T tokens over ``batch`` rows of ``cache`` (``SHAPES``; below
     SPLIT_MIN_BATCH rows ``SMALL_BATCH_SHAPES`` over it, the refresh a branch, the slots due first
     (``DUE_FIRST_ARCHS``) or, at larger batches of ``SIDE_STREAM_ARCHS``, beside the others where a
-    step expects one (``DUE_FIRST_MAX_BATCH``; GDN's fp32 decode then solving in the refreshing
+    step expects one (``DUE_FIRST_MAX_BATCH``; GDN's fp32 and 2-byte decode then solving in the refreshing
     programs where the others' step is short, ``SOLVE_HERE_MAX_HEAD_ROWS``); one launch for the smallest steps,
     ``FUSED_MAX_BATCH``; ``TUNING`` over it). Rows are a multiple of FOLD_ROWS that divides dv,
     or the cache's row block (gcd(dv, 32), a power of two: 16 for dv = 80, 8 for dv = 8 or 24)
@@ -655,7 +660,7 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
             batch <= DUE_FIRST_MAX_BATCH and batch * T <= 2 * cache.window))
         found = found._replace(split=False, due_first=first,
                                beside=arch in SIDE_STREAM_ARCHS and batch * T >= cache.window and not first)
-        found = found._replace(solve_here=found.beside and arch == "gdn" and fmt == "fp32" and T == 1
+        found = found._replace(solve_here=found.beside and arch == "gdn" and fmt in SOLVE_HERE_FORMATS and T == 1
                                and batch * cache.nheads <= SOLVE_HERE_MAX_HEAD_ROWS)
     if batch <= FUSED_MAX_BATCH and T <= FUSED_MAX_T and arch in FUSED_ARCHS:
         found = found._replace(**FUSED_SHAPE)
