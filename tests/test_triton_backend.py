@@ -594,6 +594,14 @@ def test_step_shapes_follow_the_policy():
         assert launch.step_shape(rs.GDNCache(1, 16, 32, 128, 128, precision=preset), "gdn", 1, batch=32).solve_here
     assert not launch.step_shape(rs.GDNCache(1, 16, 32, 128, 128, precision="tp8_hi32"), "gdn", 1,
                                  batch=32).solve_here
+    # GDN fp32 verify of 4 or more drafts at batch 32-63: the slots due beside the others, refreshed
+    # in a launch of their own before their step; not at batch 16, for 2 drafts or from fp16
+    for T, batch in ((4, 32), (4, 48), (8, 32)):
+        verify = launch.step_shape(qwen35, "gdn", T, batch=batch)
+        assert verify.beside and verify.split, (T, batch)
+    for T, batch in ((4, 16), (2, 32), (1, 32)):
+        assert not launch.step_shape(qwen35, "gdn", T, batch=batch).split, (T, batch)
+    assert not launch.step_shape(rs.GDNCache(1, 16, 64, 128, 128, precision="tp16_hi32"), "gdn", 4, batch=32).split
     m2_32 = launch.step_shape(rs.Mamba2Cache(1, 2, 64, 128), "mamba2", 1, batch=32)
     assert m2_32.due_first and not m2_32.beside
     assert not launch.step_shape(rs.Mamba2Cache(1, 2, 64, 128), "mamba2", 1).due_first

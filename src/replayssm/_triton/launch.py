@@ -611,6 +611,19 @@ DUE_FIRST_MAX_BATCH = 16
 SOLVE_HERE_MAX_HEAD_ROWS = 1536
 SOLVE_HERE_FORMATS = ("fp32", "fp16", "bf16")
 
+#: GDN verify rounds of at least SPLIT_BESIDE_MIN_T drafts from fp32 read copies at SPLIT_BESIDE_MIN_BATCH
+#: <= batch < SPLIT_MIN_BATCH: the slots due beside the others refresh in a launch of their own before
+#: their step launch (``StepShape.split`` with ``beside``) instead of a branch of it, so that more
+#: programs share each refresh. H100, one run, s32_rs, 4 drafts, us per round, branch -> refresh
+#: launch: 64 value heads at batch 32 129.6 -> 126.2, 48 177.7 -> 171.9, but 16 81.8 -> 83.6; 32
+#: value heads at 32 84.5 -> 81.6, 48 113.8 -> 109.6; 8 drafts at 32 207.2 -> 207.8 (level).
+#: 2-byte read copies (verify programs of 64 rows x 2 warps) were timed only against 32 x 1 programs
+#: with the refresh launch, two changes at once, so they keep the branch: tp16_hi32, 64 value heads,
+#: batch 32, 2 drafts 81.2 -> 77.7, 8 drafts 210.3 -> 195.4; batch 48, 4 drafts 171.2 -> 160.2;
+#: batch 16 77.9 -> 79.2; 32 value heads at 32 79.3 -> 76.9, 48 111.3 -> 101.9.
+SPLIT_BESIDE_MIN_BATCH = 32
+SPLIT_BESIDE_MIN_T = 4
+
 
 #: Steps of at most FUSED_MAX_T tokens over at most FUSED_MAX_BATCH batch rows run as one launch
 #: (``StepShape.fused``, FUSED_SHAPE), where a step is launch latency (H200, one run, staggered, us
@@ -640,7 +653,9 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
     SPLIT_MIN_BATCH rows ``SMALL_BATCH_SHAPES`` over it, the refresh a branch, the slots due first
     (``DUE_FIRST_ARCHS``) or, at larger batches of ``SIDE_STREAM_ARCHS``, beside the others where a
     step expects one (``DUE_FIRST_MAX_BATCH``; GDN's fp32 and 2-byte decode then solving in the refreshing
-    programs where the others' step is short, ``SOLVE_HERE_MAX_HEAD_ROWS``); one launch for the smallest steps,
+    programs where the others' step is short, ``SOLVE_HERE_MAX_HEAD_ROWS``, and its fp32 verify rounds
+    of the larger of those batches refreshing in a launch of their own, ``SPLIT_BESIDE_MIN_BATCH``); one
+    launch for the smallest steps,
     ``FUSED_MAX_BATCH``; ``TUNING`` over it). Rows are a multiple of FOLD_ROWS that divides dv,
     or the cache's row block (gcd(dv, 32), a power of two: 16 for dv = 80, 8 for dv = 8 or 24)
     where dv is not a multiple of FOLD_ROWS or is at most FOLD_ROWS: a program owns whole NVFP4
@@ -662,6 +677,8 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
                                beside=arch in SIDE_STREAM_ARCHS and batch * T >= cache.window and not first)
         found = found._replace(solve_here=found.beside and arch == "gdn" and fmt in SOLVE_HERE_FORMATS and T == 1
                                and batch * cache.nheads <= SOLVE_HERE_MAX_HEAD_ROWS)
+        found = found._replace(split=found.beside and arch == "gdn" and fmt == "fp32" and T >= SPLIT_BESIDE_MIN_T
+                               and batch >= SPLIT_BESIDE_MIN_BATCH)
     if batch <= FUSED_MAX_BATCH and T <= FUSED_MAX_T and arch in FUSED_ARCHS:
         found = found._replace(**FUSED_SHAPE)
     # TUNING also holds launch options that are no shape field ("pdl", ``programmatic``)
