@@ -353,16 +353,16 @@ def test_kda_sweep_and_its_baselines(tmp_path, monkeypatch, capsys):
 
 
 def test_kda_conventional_kernel_and_triton_gate_against_float64():
-    """Under the interpreter: the conventional KDA baseline kernel (the state updated in place for
-    a decode, one state per draft for a verify) matches the float64 recurrence, and the
-    correctness gate passes the Triton backend."""
+    """Under the interpreter: the conventional GDN and KDA baseline kernel (one kernel; the state
+    updated in place for a decode, one state per draft for a verify) matches the float64
+    recurrence, and the correctness gate passes KDA's Triton backend."""
     from replayssm.bench import measure, suite
 
     gen = torch.Generator().manual_seed(0)
-    for T in (1, 3):
-        p = Problem("kda", (4, 16, 16, 2), 3, T)
+    for arch, T in (("kda", 1), ("kda", 3), ("gdn", 1), ("gdn", 3)):
+        p = Problem(arch, (4, 16, 16, 2), 3, T)
         inp = suite.make_inputs(p, "cpu", gen, dtype=torch.float32)
-        assert inp["g"].shape == (3, T, 4, 16)
+        assert inp["g"].shape == ((3, T, 4, 16) if arch == "kda" else (3, T, 4))
         state = torch.randn(5, *suite.state_shape(p), generator=gen) * 0.1
         slots = torch.tensor([4, 0, 2])
         ref = state[slots].double()

@@ -78,7 +78,9 @@ def mamba2_conventional(state, slots, x, dt, A, B, C, D, inter=None, parents=Non
 @triton.jit
 def _gdn_conv_kernel(state_ptr, inter_ptr, slots_ptr, parents_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
                      HV, HK, T: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
-                     SPEC: tl.constexpr, TREE: tl.constexpr):
+                     SPEC: tl.constexpr, TREE: tl.constexpr, PER_CHANNEL: tl.constexpr):
+    """GDN's conventional step; PER_CHANNEL (KDA): one decay per key channel, g [b, T, HV, DK], the
+    state's columns decaying by exp(g) before the delta-rule write."""
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # row blocks fastest
     slot = tl.load(slots_ptr + pid_b).to(tl.int64)
     rv = pid_v * BV + tl.arange(0, BV)
@@ -91,11 +93,14 @@ def _gdn_conv_kernel(state_ptr, inter_ptr, slots_ptr, parents_ptr, q_ptr, k_ptr,
         q = tl.load(q_ptr + (tok * HK + khead) * DK + ck).to(tl.float32)
         k = tl.load(k_ptr + (tok * HK + khead) * DK + ck).to(tl.float32)
         v = tl.load(v_ptr + (tok * HV + head) * DV + rv).to(tl.float32)
-        g = tl.load(g_ptr + tok * HV + head)
+        if PER_CHANNEL:
+            decay = tl.exp(tl.load(g_ptr + (tok * HV + head) * DK + ck).to(tl.float32))[None, :]
+        else:
+            decay = tl.exp(tl.load(g_ptr + tok * HV + head))
         beta = tl.load(beta_ptr + tok * HV + head)
         if TREE:
             S = _parent_state(S, state_ptr, inter_ptr, parents_ptr, off, slot, pid_b, s, head, rv, ck, HV, T, DV, DK)
-        S = S * tl.exp(g)
+        S = S * decay
         u = beta * (v - tl.sum(S * k[None, :], 1))
         S = S + u[:, None] * k[None, :]
         tl.store(o_ptr + (tok * HV + head) * DV + rv, tl.sum(S * q[None, :], 1))
@@ -116,38 +121,9 @@ def gdn_conventional(state, slots, q, k, v, g, beta, inter=None, parents=None):
     block_rows = min(block_rows, V)
     _gdn_conv_kernel[(V // block_rows, HV, b)](
         state, state if inter is None else inter, slots, slots if parents is None else parents, q, k, v, g, beta, o,
-        HV, HK, T=T, DV=V, DK=K, BV=block_rows, SPEC=inter is not None, TREE=parents is not None, num_warps=warps)
+        HV, HK, T=T, DV=V, DK=K, BV=block_rows, SPEC=inter is not None, TREE=parents is not None, PER_CHANNEL=False,
+        num_warps=warps)
     return o
-
-
-@triton.jit
-def _kda_conv_kernel(state_ptr, inter_ptr, slots_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
-                     HV, HK, T: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
-                     SPEC: tl.constexpr):
-    """GDN's conventional step with one decay per key channel: the state's columns decay by
-    exp(g) [DK] before the delta-rule write."""
-    pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # row blocks fastest
-    slot = tl.load(slots_ptr + pid_b).to(tl.int64)
-    rv = pid_v * BV + tl.arange(0, BV)
-    ck = tl.arange(0, DK)
-    khead = head // (HV // HK)
-    off = ((slot * HV + head) * DV + rv[:, None]) * DK + ck[None, :]
-    S = tl.load(state_ptr + off)
-    for s in tl.static_range(T):
-        tok = pid_b * T + s
-        q = tl.load(q_ptr + (tok * HK + khead) * DK + ck).to(tl.float32)
-        k = tl.load(k_ptr + (tok * HK + khead) * DK + ck).to(tl.float32)
-        v = tl.load(v_ptr + (tok * HV + head) * DV + rv).to(tl.float32)
-        g = tl.load(g_ptr + (tok * HV + head) * DK + ck).to(tl.float32)
-        beta = tl.load(beta_ptr + tok * HV + head)
-        S = S * tl.exp(g)[None, :]
-        u = beta * (v - tl.sum(S * k[None, :], 1))
-        S = S + u[:, None] * k[None, :]
-        tl.store(o_ptr + (tok * HV + head) * DV + rv, tl.sum(S * q[None, :], 1))
-        if SPEC:
-            tl.store(inter_ptr + ((slot * T + s) * HV + head) * DV * DK + rv[:, None] * DK + ck[None, :], S)
-    if not SPEC:
-        tl.store(state_ptr + off, S)
 
 
 def kda_conventional(state, slots, q, k, v, g, beta, inter=None):
@@ -159,10 +135,10 @@ def kda_conventional(state, slots, q, k, v, g, beta, inter=None):
     o = torch.empty(b, T, HV, V, device=v.device, dtype=torch.float32)
     block_rows, warps = SHAPE.get("override", SHAPE["kda"])
     block_rows = min(block_rows, V)
-    _kda_conv_kernel[(V // block_rows, HV, b)](
-        state, state if inter is None else inter, slots, q.contiguous(), k.contiguous(), v.contiguous(),
+    _gdn_conv_kernel[(V // block_rows, HV, b)](
+        state, state if inter is None else inter, slots, slots, q.contiguous(), k.contiguous(), v.contiguous(),
         g.contiguous(), beta.contiguous(), o, HV, HK, T=T, DV=V, DK=K, BV=block_rows, SPEC=inter is not None,
-        num_warps=warps)
+        TREE=False, PER_CHANNEL=True, num_warps=warps)
     return o
 
 
