@@ -439,6 +439,54 @@ def check_any_dims(layer, preset, tuning, seed):
 # ------------------------------------------------------------------------------------------------
 # A draft-tree drafter for the transformers integration tests
 # ------------------------------------------------------------------------------------------------
+def unpadded_rows(seqs, mask):
+    """Each row of a left-padded batch without its padding: the prompt tokens ``mask`` keeps, then
+    the generated ones (lists of ints; ``seqs`` [b, n + generated], ``mask`` [b, n])."""
+    n = mask.shape[1]
+    return [s[:n][mask[r] == 1].tolist() + s[n:].tolist() for r, s in enumerate(seqs.cpu())]
+
+
+class RowDrafter:
+    """Right for a random number of tokens (0 .. k) of the row's greedy continuation, then wrong
+    (``speculative_generate`` drafter): in one step the rows accept different counts, and every
+    count 0 .. k occurs. ``rows``: each row's tokens without padding, prompt + greedy continuation."""
+
+    def __init__(self, rows, vocab, seed=0):
+        self.rows, self.vocab = rows, vocab
+        self.g = torch.Generator().manual_seed(seed)
+
+    def __call__(self, tokens, k):
+        t = tokens.tolist()
+        ref = next((r for r in self.rows if r[:len(t)] == t), None)
+        if ref is None:  # the row left every greedy continuation (a deliberately broken run)
+            return []
+        good = int(torch.randint(0, k + 1, (1,), generator=self.g))
+        d = ref[len(t):len(t) + k]
+        return d[:good] + [(x + 1) % self.vocab for x in d[good:]]
+
+
+def handover_logits(model, ids, patched):
+    """Last-position logits [17, vocab] of a hand-over run over ``ids`` [1, >= 20]: a 6-token
+    prefill and 10 decodes (through ReplaySSM when ``patched``, ``integrations.transformers.patch``),
+    a stock-shaped 4-token forward on the same cache, then unpatched, 3 more decodes on it. Against
+    the all-stock run (``patched`` False) every logit must agree: the state goes back to
+    transformers' layout at each hand-over."""
+    from transformers import DynamicCache
+
+    import replayssm.integrations.transformers as rst
+    cache = DynamicCache(config=model.config)
+    p = rst.patch(model, window=4, max_draft=4) if patched else None
+    out = [model(input_ids=ids[:, :6], cache=cache, use_cache=True).logits[0, -1]]
+    for t in range(6, 16):
+        out.append(model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1])
+    out.append(model(input_ids=ids[:, 16:20], cache=cache, use_cache=True).logits[0, -1])
+    if p is not None:
+        p.unpatch()
+    for t in range(3):
+        out.append(model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1])
+    return torch.stack(out)
+
+
 class TreeRowDrafter:
     """Draft trees around each row's greedy continuation (``speculative_generate`` drafter).
 

@@ -28,7 +28,7 @@ from transformers import (  # noqa: E402
 )
 
 import replayssm.integrations.transformers as rst  # noqa: E402
-from helpers import TreeRowDrafter  # noqa: E402
+from helpers import RowDrafter, TreeRowDrafter, handover_logits, unpadded_rows  # noqa: E402
 from replayssm.integrations.speculative import speculative_generate  # noqa: E402
 
 LOGIT_ATOL = 1e-4
@@ -194,47 +194,14 @@ def test_family_state_written_back(name):
     continue the same cache with a stock 4-token forward, then unpatch and decode stock: every logit
     is the all-stock run's."""
     model = model_of(name)
-    from transformers import DynamicCache
     ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(6)).to(DEVICE)
-
-    def run(patched):
-        cache = DynamicCache(config=model.config)
-        p = rst.patch(model, window=4, max_draft=4) if patched else None
-        out = [model(input_ids=ids[:, :6], cache=cache, use_cache=True).logits[0, -1]]
-        for t in range(6, 16):
-            out.append(model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1])
-        out.append(model(input_ids=ids[:, 16:20], cache=cache, use_cache=True).logits[0, -1])
-        if p is not None:
-            p.unpatch()
-        for t in range(3):
-            out.append(model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1])
-        return torch.stack(out)
-
     with torch.no_grad():
-        assert (run(False) - run(True)).abs().max().item() <= LOGIT_ATOL
+        assert (handover_logits(model, ids, False) - handover_logits(model, ids, True)).abs().max().item() <= LOGIT_ATOL
 
 
 # ---------------------------------------------------------------------------------------------
 # batched speculative generation
 # ---------------------------------------------------------------------------------------------
-class _RowDrafter:
-    """Right for a random number of tokens (0 .. k) of the row's greedy continuation, then wrong:
-    in one step the rows accept different counts, and every count 0 .. k occurs."""
-
-    def __init__(self, reference_rows, seed=0):
-        self.rows = reference_rows  # each row's tokens without padding: prompt + greedy continuation
-        self.g = torch.Generator().manual_seed(seed)
-
-    def __call__(self, tokens, k):
-        t = tokens.tolist()
-        ref = next((r for r in self.rows if r[:len(t)] == t), None)
-        if ref is None:  # the row left every greedy continuation (a deliberately broken run)
-            return []
-        good = int(torch.randint(0, k + 1, (1,), generator=self.g))
-        d = ref[len(t):len(t) + k]
-        return d[:good] + [(x + 1) % VOCAB for x in d[good:]]
-
-
 def _early_eos(continuations):
     """A token that row 0 generates first at step 6 .. 20 and that some other row reaches later or
     never: (token, row 0's length with it)."""
@@ -248,11 +215,6 @@ def _early_eos(continuations):
     raise AssertionError("no usable eos token in row 0's continuation")
 
 
-def _rows_without_padding(seqs, mask, pad=0):
-    n = mask.shape[1]
-    return [s[:n][mask[r] == 1].tolist() + s[n:].tolist() for r, s in enumerate(seqs.cpu())]
-
-
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_family_batched_speculative_matches_greedy(name):
     """Batch of 3, left padding, rows accepting different counts per step, one row stopping at an
@@ -262,7 +224,7 @@ def test_family_batched_speculative_matches_greedy(name):
     free = _greedy(model, ids, mask, n=30).sequences
     eos, stop = _early_eos(free[:, ids.shape[1]:].tolist())
     ref = _greedy(model, ids, mask, n=30, eos=eos).sequences
-    drafter = _RowDrafter(_rows_without_padding(free, mask))
+    drafter = RowDrafter(unpadded_rows(free, mask), VOCAB)
     out, st = speculative_generate(model, ids, attention_mask=mask, drafter=drafter, num_draft=3,
                                    max_new_tokens=30, eos_token_id=eos, window=WINDOW)
     assert torch.equal(out, ref.to(out.device))
@@ -280,7 +242,7 @@ def test_family_tree_speculative_matches_greedy(name):
     model = model_of(name)
     ids, mask = _padded_batch(3)
     free = _greedy(model, ids, mask, n=24).sequences
-    drafter = TreeRowDrafter(_rows_without_padding(free, mask), VOCAB)
+    drafter = TreeRowDrafter(unpadded_rows(free, mask), VOCAB)
     out, st = speculative_generate(model, ids, attention_mask=mask, drafter=drafter, num_draft=4,
                                    max_new_tokens=24, window=WINDOW, backend="torch")
     assert torch.equal(out, free.to(out.device))

@@ -28,7 +28,7 @@ pytest.importorskip("transformers.models.kimi_linear")
 from transformers import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
 
 import replayssm.integrations.transformers as rst  # noqa: E402
-from helpers import TreeRowDrafter  # noqa: E402
+from helpers import RowDrafter, TreeRowDrafter, handover_logits, unpadded_rows  # noqa: E402
 from replayssm.integrations.speculative import NGramTreeDrafter, speculative_generate  # noqa: E402
 
 LOGIT_ATOL = 1e-4
@@ -172,47 +172,10 @@ def test_kimi_state_written_back():
     """Decode 10 tokens through ReplaySSM, continue the same cache with a stock 4-token forward,
     unpatch and decode stock: every logit is the all-stock run's (the KDA state goes back to
     transformers' [K, V] layout at each hand-over)."""
-    from transformers import DynamicCache
     model = model_of()
     ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(6)).to(DEVICE)
-
-    def run(patched):
-        cache = DynamicCache(config=model.config)
-        p = rst.patch(model, window=4, max_draft=4) if patched else None
-        out = [model(input_ids=ids[:, :6], cache=cache, use_cache=True).logits[0, -1]]
-        for t in range(6, 16):
-            out.append(model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1])
-        out.append(model(input_ids=ids[:, 16:20], cache=cache, use_cache=True).logits[0, -1])
-        if p is not None:
-            p.unpatch()
-        for t in range(3):
-            out.append(model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits[0, -1])
-        return torch.stack(out)
-
     with torch.no_grad():
-        assert (run(False) - run(True)).abs().max().item() <= LOGIT_ATOL
-
-
-class _RowDrafter:
-    """Right for a random number of tokens (0 .. k) of the row's greedy continuation, then wrong."""
-
-    def __init__(self, reference_rows, seed=0):
-        self.rows = reference_rows
-        self.g = torch.Generator().manual_seed(seed)
-
-    def __call__(self, tokens, k):
-        t = tokens.tolist()
-        ref = next((r for r in self.rows if r[:len(t)] == t), None)
-        if ref is None:
-            return []
-        good = int(torch.randint(0, k + 1, (1,), generator=self.g))
-        d = ref[len(t):len(t) + k]
-        return d[:good] + [(x + 1) % VOCAB for x in d[good:]]
-
-
-def _rows_without_padding(seqs, mask):
-    n = mask.shape[1]
-    return [s[:n][mask[r] == 1].tolist() + s[n:].tolist() for r, s in enumerate(seqs.cpu())]
+        assert (handover_logits(model, ids, False) - handover_logits(model, ids, True)).abs().max().item() <= LOGIT_ATOL
 
 
 def test_kimi_batched_speculative_matches_greedy():
@@ -221,7 +184,7 @@ def test_kimi_batched_speculative_matches_greedy():
     model = model_of()
     ids, mask = _padded_batch(3)
     ref = _greedy(model, ids, mask, n=30).sequences
-    drafter = _RowDrafter(_rows_without_padding(ref, mask))
+    drafter = RowDrafter(unpadded_rows(ref, mask), VOCAB)
     out, st = speculative_generate(model, ids, attention_mask=mask, drafter=drafter, num_draft=3,
                                    max_new_tokens=30, window=WINDOW)
     assert torch.equal(out, ref.to(out.device))
@@ -242,7 +205,7 @@ def test_kimi_tree_speculative_matches_greedy():
     model = model_of()
     ids, mask = _padded_batch(3)
     ref = _greedy(model, ids, mask, n=30).sequences
-    drafter = TreeRowDrafter(_rows_without_padding(ref, mask), VOCAB, chain_every=3)
+    drafter = TreeRowDrafter(unpadded_rows(ref, mask), VOCAB, chain_every=3)
     out, st = _tree_spec(model, ids, mask, drafter, 30)
     print(f"kimi_linear trees: {st.as_dict()}")
     assert torch.equal(out, ref.to(out.device))
@@ -263,7 +226,7 @@ def test_kimi_tree_residuals_have_teeth(monkeypatch):
     orig = replay._solve
     monkeypatch.setattr(replay, "_solve", lambda st, k, buf, g, rows, cached_u=None, visible=None:
                         orig(st, k, buf, g, rows, cached_u))
-    out, _ = _tree_spec(model, ids, mask, TreeRowDrafter(_rows_without_padding(ref, mask), VOCAB, seed=1), 30)
+    out, _ = _tree_spec(model, ids, mask, TreeRowDrafter(unpadded_rows(ref, mask), VOCAB, seed=1), 30)
     assert not torch.equal(out, ref.to(out.device))
 
 
@@ -274,7 +237,7 @@ def test_kimi_tree_speculative_on_triton_matches_greedy():
     model = model_of()
     ids, mask = _padded_batch(2)
     ref = _greedy(model, ids, mask, n=10).sequences
-    drafter = TreeRowDrafter(_rows_without_padding(ref, mask), VOCAB, chain_every=3)
+    drafter = TreeRowDrafter(unpadded_rows(ref, mask), VOCAB, chain_every=3)
     out, st = speculative_generate(model, ids, attention_mask=mask, drafter=drafter, num_draft=3,
                                    max_new_tokens=10, window=WINDOW, backend="triton")
     assert torch.equal(out, ref.to(out.device)) and st.tree_steps > 0

@@ -29,6 +29,7 @@ from transformers import (  # noqa: E402
 )
 
 import replayssm.integrations.transformers as rst  # noqa: E402
+from helpers import RowDrafter, unpadded_rows  # noqa: E402
 from replayssm.integrations.evalkl import eval_kl  # noqa: E402
 from replayssm.integrations.speculative import (  # noqa: E402
     ModelDrafter, NGramDrafter, speculative_generate,
@@ -321,23 +322,6 @@ def test_speculative_with_existing_patch_and_eos():
     assert torch.equal(out[0], ref[:stop])
 
 
-class _RowDrafter:
-    """Right for a random number of tokens (0 .. k) of the row's greedy continuation, then wrong."""
-
-    def __init__(self, reference_rows, seed=0):
-        self.rows = reference_rows
-        self.g = torch.Generator().manual_seed(seed)
-
-    def __call__(self, tokens, k):
-        t = tokens.tolist()
-        ref = next((r for r in self.rows if r[:len(t)] == t), None)
-        if ref is None:  # the row left every greedy continuation (a deliberately broken run)
-            return []
-        good = int(torch.randint(0, k + 1, (1,), generator=self.g))
-        d = ref[len(t):len(t) + k]
-        return d[:good] + [(x + 1) % VOCAB for x in d[good:]]
-
-
 def _batched_prompts():
     """3 repetitive prompts (n-gram drafts exist), rows 1 and 2 left-padded by 4 and 7."""
     base = torch.randint(3, VOCAB, (3, 7), generator=torch.Generator().manual_seed(11))
@@ -361,11 +345,6 @@ def _early_eos(continuations):
     raise AssertionError("no usable eos token")
 
 
-def _unpadded_rows(seqs, mask):
-    n = mask.shape[1]
-    return [s[:n][mask[r] == 1].tolist() + s[n:].tolist() for r, s in enumerate(seqs.cpu())]
-
-
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("drafter", ["rows", "ngram"])
 def test_batched_speculative_matches_greedy(name, drafter):
@@ -376,7 +355,7 @@ def test_batched_speculative_matches_greedy(name, drafter):
     free = _greedy(model, ids, mask, n=40).sequences
     eos = _early_eos(free[:, ids.shape[1]:].tolist()) if drafter == "rows" else None
     ref = _greedy(model, ids, mask, n=40, eos=eos).sequences
-    d = _RowDrafter(_unpadded_rows(free, mask)) if drafter == "rows" else "ngram"
+    d = RowDrafter(unpadded_rows(free, mask), VOCAB) if drafter == "rows" else "ngram"
     out, st = speculative_generate(model, ids, attention_mask=mask, drafter=d, num_draft=4, max_new_tokens=40,
                                    eos_token_id=eos)
     assert torch.equal(out, ref)
@@ -395,7 +374,7 @@ def test_batched_speculative_per_row_acceptance_has_teeth():
     free = _greedy(model, ids, mask, n=24).sequences
 
     def run():
-        return speculative_generate(model, ids, attention_mask=mask, drafter=_RowDrafter(_unpadded_rows(free, mask)),
+        return speculative_generate(model, ids, attention_mask=mask, drafter=RowDrafter(unpadded_rows(free, mask), VOCAB),
                                     num_draft=4, max_new_tokens=24)[0]
 
     assert torch.equal(run(), free)

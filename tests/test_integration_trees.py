@@ -18,14 +18,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from helpers import TreeRowDrafter  # noqa: E402
+from helpers import TreeRowDrafter, unpadded_rows  # noqa: E402
 from test_integration_transformers import (  # noqa: E402
     VOCAB,
     _batched_prompts,
     _early_eos,
     _greedy,
     _repetitive_prompt,
-    _unpadded_rows,
     model_of,
 )
 
@@ -64,7 +63,7 @@ def test_tree_speculative_matches_greedy(name):
     # (Qwen3.5-MoE's rows all reach the chosen eos token within a few steps: it runs without)
     eos = _early_eos(free[:, ids.shape[1]:].tolist()) if name != "qwen3_5_moe" else None
     ref = _greedy(model, ids, mask, n=40, eos=eos).sequences
-    drafter = TreeRowDrafter(_unpadded_rows(free, mask), VOCAB, chain_every=3)
+    drafter = TreeRowDrafter(unpadded_rows(free, mask), VOCAB, chain_every=3)
     out, st = _spec(model, ids, mask, drafter, n=40, eos=eos)
     print(f"{name}: {st.as_dict()}")
     assert torch.equal(out, ref)
@@ -148,7 +147,7 @@ def _run_rows(model, n=24, **patch_kwargs):
     ids, mask = _batched_prompts()
     free = _greedy(model, ids, mask, n=n).sequences
     out = speculative_generate(model, ids, attention_mask=mask, num_draft=5, max_new_tokens=n, backend="torch",
-                               drafter=TreeRowDrafter(_unpadded_rows(free, mask), VOCAB, seed=1), **patch_kwargs)[0]
+                               drafter=TreeRowDrafter(unpadded_rows(free, mask), VOCAB, seed=1), **patch_kwargs)[0]
     return out, free
 
 
