@@ -350,6 +350,28 @@ def broken_refresh(cache, skip_calls=(0,)):
     return refresh
 
 
+def check_explicit_scale(arch):
+    """GDN / KDA: q, k passed already unit-norm with an explicit scale (no in-kernel normalization)
+    decode as the float64 recurrence does with that scale."""
+    decode, reference_step = {"gdn": (rs.gdn_decode, rs.gdn_reference_step),
+                              "kda": (rs.kda_decode, rs.kda_reference_step)}[arch]
+    layer = make_layer(arch)
+    cache = layer.cache(1, window=4)
+    g = torch.Generator().manual_seed(5)
+    S = torch.randn(1, *layer.state_shape, generator=g)
+    cache.load_state(torch.tensor([0]), S)
+    ref = S.double()
+    err = 0.0
+    for _ in range(6):
+        tok = {k: v[:, 0] for k, v in layer.tokens(g, 1, 1).items()}
+        tok["q"] = torch.nn.functional.normalize(tok["q"], dim=-1)
+        tok["k"] = torch.nn.functional.normalize(tok["k"], dim=-1)
+        o = decode(cache, torch.tensor([0]), **tok, scale=0.5)
+        oref, ref = reference_step(ref, **tok, scale=0.5)
+        err = max(err, (o.double() - oref).abs().max().item())
+    assert err <= S32_TOL
+
+
 def check_decode_accuracy(arch, record_property):
     """Requirement 1: >= 48 s32_rs decode steps (2 refreshes at window 16) vs the reference."""
     tr, err, state_err = decode_accuracy(arch, steps=48, window=16)

@@ -9,9 +9,9 @@ import torch
 import replayssm as rs
 import replayssm.backend as backend_module
 import helpers
-from helpers import (READ_BOUND, S32_TOL, Tracker, check_decode_accuracy, check_perturbed_buffer_detected,
-                     check_skipped_refresh_detected, make_layer, parts_equal, record, snapshot,
-                     snapshot_diff)
+from helpers import (READ_BOUND, S32_TOL, Tracker, check_decode_accuracy, check_explicit_scale,
+                     check_perturbed_buffer_detected, check_skipped_refresh_detected, make_layer, parts_equal, record,
+                     snapshot, snapshot_diff)
 from replayssm.kda import replay
 
 ARCH = "kda"
@@ -112,21 +112,7 @@ def test_gqa_ratios(num_k_heads, num_v_heads):
 
 def test_explicit_scale_without_l2norm():
     """q, k passed already unit-norm with an explicit scale (no in-kernel normalization)."""
-    layer = make_layer(ARCH)
-    cache = layer.cache(1, window=4)
-    g = torch.Generator().manual_seed(5)
-    S = torch.randn(1, *layer.state_shape, generator=g)
-    cache.load_state(torch.tensor([0]), S)
-    ref = S.double()
-    err = 0.0
-    for _ in range(6):
-        tok = {k: v[:, 0] for k, v in layer.tokens(g, 1, 1).items()}
-        tok["q"] = torch.nn.functional.normalize(tok["q"], dim=-1)
-        tok["k"] = torch.nn.functional.normalize(tok["k"], dim=-1)
-        o = rs.kda_decode(cache, torch.tensor([0]), **tok, scale=0.5)
-        oref, ref = rs.kda_reference_step(ref, **tok, scale=0.5)
-        err = max(err, (o.double() - oref).abs().max().item())
-    assert err <= S32_TOL
+    check_explicit_scale(ARCH)
 
 
 # ---- teeth -------------------------------------------------------------------------------------
