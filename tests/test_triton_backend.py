@@ -42,7 +42,8 @@ class TritonLayer:
 
     def run(self, cache, slots, tok, verify):
         fn = {("mamba2", False): rs.mamba2_decode, ("mamba2", True): rs.mamba2_verify,
-              ("gdn", False): rs.gdn_decode, ("gdn", True): rs.gdn_verify}[(self.name, verify)]
+              ("gdn", False): rs.gdn_decode, ("gdn", True): rs.gdn_verify,
+              ("kda", False): rs.kda_decode, ("kda", True): rs.kda_verify}[(self.name, verify)]
         consts = self.base._consts() if self.name == "mamba2" else {"use_qk_l2norm": True}
         if verify:
             return fn(cache, slots, **tok, **consts, backend="triton")
@@ -72,7 +73,8 @@ def _schedule(tr, rounds, rng):
 
 #: Geometries whose heads hold two fold sub-tiles (dv = 64): a program of 64 rows folds 32 at a time.
 WIDE = {"mamba2": dict(nheads=2, headdim=64, dstate=32, ngroups=1),
-        "gdn": dict(num_k_heads=1, num_v_heads=2, head_k_dim=32, head_v_dim=64)}
+        "gdn": dict(num_k_heads=1, num_v_heads=2, head_k_dim=32, head_v_dim=64),
+        "kda": dict(num_k_heads=1, num_v_heads=2, head_k_dim=32, head_v_dim=64)}
 
 
 @pytest.mark.parametrize("arch, variant", [("mamba2", "default"), ("gdn", "default"),
@@ -283,7 +285,7 @@ def test_verify_products_from_narrow_read_copies_are_fp32_accurate(arch, preset,
     assert rel(state) > 1e-4
 
 
-@pytest.mark.parametrize("arch", ["mamba2", "gdn"])
+@pytest.mark.parametrize("arch", ["mamba2", "gdn", "kda"])
 def test_triton_read_precision_and_tile_leave_anchor_bit_identical(arch):
     """Changing only the read format of an fp32 anchor (and so the step's tile: NVFP4 runs 4 warps,
     others 1), the rows per program (64 rows fold as two 32-row sub-tiles) or the launches (a step of

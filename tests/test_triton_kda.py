@@ -131,37 +131,6 @@ def test_triton_every_preset_within_its_read_format(preset):
         assert rel > 1e-7
 
 
-def test_triton_read_format_and_tile_leave_the_anchor_bit_identical():
-    """An fp32 anchor's bits do not depend on the read format (nor on the step's tile: NVFP4 runs
-    4 warps, 64-row programs fold two 32-row sub-tiles): decode and verify rounds across refreshes."""
-    geometry = dict(num_k_heads=1, num_v_heads=1, head_k_dim=32, head_v_dim=64)
-    layer = make_layer(3, **geometry)
-    g = helpers.generator(9)
-    slots = torch.tensor([0, 1])
-    state = torch.randn(2, *layer.state_shape, generator=g)
-    runs = {p: layer.cache(2, window=4, max_draft=2, precision=p)
-            for p in ("s32_rs", "tp16_hi32", "tpbf16_hi32", "tp8_hi32", "tp4_hi32")}
-    runs["s32_rs@64"] = layer.cache(2, window=4, max_draft=2, precision="s32_rs")
-    outs = {p: [] for p in runs}
-    for c in runs.values():
-        c.load_state(slots, state)
-    for step in range(9):
-        T = 2 if step % 3 == 2 else 1
-        tok = layer.tokens(g, 2, T)
-        for p, c in runs.items():
-            launch.TUNING.update(rows=64) if p.endswith("@64") else launch.TUNING.clear()
-            try:
-                outs[p].append(layer.run(c, slots, tok, T > 1).reshape(-1))
-                if T > 1:
-                    layer.accept(c, slots, torch.tensor([1, 2]))
-            finally:
-                launch.TUNING.clear()
-    assert all(int(c.refreshes[:2].min()) >= 2 for c in runs.values())
-    anchors = [c.anchor["values"][:2] for c in runs.values()]  # loaded slots (the rest is NaN-poisoned)
-    assert all(torch.equal(anchors[0], a) for a in anchors[1:])
-    assert not torch.equal(torch.cat(outs["s32_rs"]), torch.cat(outs["tp8_hi32"]))
-
-
 @pytest.mark.parametrize("normalize", [True, False])
 def test_triton_bf16_inputs_and_explicit_scale(normalize):
     """bf16 inputs (a bf16 value buffer) with and without the in-kernel L2 norm, an explicit
