@@ -652,11 +652,11 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
     """The launch shape of a step of T tokens over ``batch`` rows of ``cache`` (``SHAPES``; below
     SPLIT_MIN_BATCH rows ``SMALL_BATCH_SHAPES`` over it, the refresh a branch, the slots due first
     (``DUE_FIRST_ARCHS``) or, at larger batches of ``SIDE_STREAM_ARCHS``, beside the others where a
-    step expects one (``DUE_FIRST_MAX_BATCH``; GDN's fp32 and 2-byte decode then solving in the refreshing
-    programs where the others' step is short, ``SOLVE_HERE_MAX_HEAD_ROWS``, and its fp32 verify rounds
-    of the larger of those batches refreshing in a launch of their own, ``SPLIT_BESIDE_MIN_BATCH``); one
-    launch for the smallest steps,
-    ``FUSED_MAX_BATCH``; ``TUNING`` over it). Rows are a multiple of FOLD_ROWS that divides dv,
+    step expects one (``DUE_FIRST_MAX_BATCH``; GDN's fp32 and 2-byte decode then solving in the
+    refreshing programs where the others' step is short, ``SOLVE_HERE_MAX_HEAD_ROWS``, and its fp32
+    verify rounds of the larger of those batches refreshing in a launch of their own,
+    ``SPLIT_BESIDE_MIN_BATCH``); one launch for the smallest steps, ``FUSED_MAX_BATCH``; ``TUNING``
+    over it). Rows are a multiple of FOLD_ROWS that divides dv,
     or the cache's row block (gcd(dv, 32), a power of two: 16 for dv = 80, 8 for dv = 8 or 24)
     where dv is not a multiple of FOLD_ROWS or is at most FOLD_ROWS: a program owns whole NVFP4
     global-scale blocks (``formats.global_scale_index``), one or several."""
