@@ -418,6 +418,12 @@ def window_pad(cache) -> int:
     return max(16, triton.next_power_of_2(cache.window))
 
 
+def inverse_squarings(LP: int) -> int:
+    """SQUARINGS of ``solve.unit_lower_inverse`` for a window padded to LP: log2(LP) - 1, the
+    factors (I + M^2) .. (I + M^{LP/2}) after (I + M); one fewer drops M^{LP/2} .. M^{LP-1}."""
+    return LP.bit_length() - 2
+
+
 class StepShape(NamedTuple):
     """How a step kernel is launched (``step_shape``)."""
     rows: int        #: state rows of a head per program (a multiple of FOLD_ROWS, or the cache's row block)

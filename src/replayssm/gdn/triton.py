@@ -641,7 +641,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
                          TREE=parents is not None, MAXD=cache.max_draft)
     step_consts = dict(T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, BV=shape.rows, FR=FR, KC=KC,
                        OUTPUT_DOT=shape.output_dot, QP=max(16, triton.next_power_of_2(2 * T)), STREAM=shape.stream,
-                       PIN=shape.pin, STAGES=shape.stages, READ_AFTER=read_after, SQUARINGS=LP.bit_length() - 2,
+                       PIN=shape.pin, STAGES=shape.stages, READ_AFTER=read_after, SQUARINGS=launch.inverse_squarings(LP),
                        SOLVE_HERE=shape.solve_here,
                        num_warps=shape.warps, **consts, **advance_consts, **tokens_consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
@@ -675,12 +675,12 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     programs, rounds = launch.refresh_grid(b, T, cache.window)
     solve = (slots, cursors, due, buf["k"], buf["k_scale"], buf["g"], buf["beta"], tinv, decays, HK, HV)
     solve_consts = dict(L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, RP=triton.next_power_of_2(HV // HK),
-                        SQUARINGS=LP.bit_length() - 2, ROUNDS=rounds, num_warps=SOLVE_WARPS)
+                        SQUARINGS=launch.inverse_squarings(LP), ROUNDS=rounds, num_warps=SOLVE_WARPS)
     refresh_args = (slots, cursors, cache.tokens, cache.seeds, tinv, decays, *anchor, *read,
                     buf["k"], buf["k_scale"], buf["v"], buf["beta"], buf["g"], due, HV, HK)
     refresh_consts = dict(T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, FR=FR, KC=KC, STAGES=shape.stages,
                           READ_AFTER=read_after, ROUNDS=rounds, SOLVE_HERE=shape.solve_here,
-                          SQUARINGS=LP.bit_length() - 2, num_warps=shape.refresh_warps, **consts,
+                          SQUARINGS=launch.inverse_squarings(LP), num_warps=shape.refresh_warps, **consts,
                           **({"maxnreg": shape.refresh_maxnreg} if shape.refresh_maxnreg else {}))
     # the scores launch's prepared q, k; the fused-only inputs unused (zero strides: one compile)
     step_args = (slots, cursors, cache.tokens, cache.seeds, tinv, decays, *anchor, *read, buf["k"], buf["k_scale"],
