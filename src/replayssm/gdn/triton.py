@@ -68,7 +68,7 @@ def _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L: tl.cons
     entries), at once: ((I + M)^{-1} [RP, LP, LP], e^{c_j} [RP, LP], e^{g(j, h)} [RP, LP], e^{c_h}
     [RP]), the vectors zero past h. M[j, i] = beta_j e^{g(i, j]} gram[j, i] for i < j < h is
     strictly lower triangular, so M^LP = 0 and (I + M)^{-1} = (I - M)(I + M^2)(I + M^4)...(I +
-    M^{LP/2}) and a Newton step: log2(LP) + 1 products (SQUARINGS = log2(LP) - 1) instead of LP
+    M^{LP/2}), then a Newton step: a few small products (SQUARINGS = log2(LP) - 1) instead of LP
     dependent substitution steps, batched over the heads so that a refreshing program's chain of
     products is one head long (``solve.unit_lower_inverse``: 3-pass tf32). The segment sums g(i, j] = (lower-triangular
     g) x (strict upper ones) and the decays' sums are IEEE fp32 products (FMAs): sums of the
