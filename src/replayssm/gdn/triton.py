@@ -70,9 +70,10 @@ def _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L: tl.cons
     strictly lower triangular, so M^LP = 0 and (I + M)^{-1} = (I - M)(I + M^2)(I + M^4)...(I +
     M^{LP/2}), then a Newton step: a few small products (SQUARINGS = log2(LP) - 1) instead of LP
     dependent substitution steps, batched over the heads so that a refreshing program's chain of
-    products is one head long (``solve.unit_lower_inverse``: 3-pass tf32). The segment sums g(i, j] = (lower-triangular
-    g) x (strict upper ones) and the decays' sums are IEEE fp32 products (FMAs): sums of the
-    segment's own terms, exact where a split product would lose low bits of large log decays."""
+    products is one head long (``solve.unit_lower_inverse``: 3-pass tf32). The segment sums
+    g(i, j] = (lower-triangular g) x (strict upper ones) and the decays' sums are IEEE fp32
+    products (FMAs): sums of the segment's own terms, exact where a split product would lose low
+    bits of large log decays."""
     j = tl.arange(0, LP)
     old = j < h
     entry = (row * L + j[None, :]) * HV + vh[:, None]  # [RP, LP]
@@ -641,8 +642,8 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
                          TREE=parents is not None, MAXD=cache.max_draft)
     step_consts = dict(T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, BV=shape.rows, FR=FR, KC=KC,
                        OUTPUT_DOT=shape.output_dot, QP=max(16, triton.next_power_of_2(2 * T)), STREAM=shape.stream,
-                       PIN=shape.pin, STAGES=shape.stages, READ_AFTER=read_after, SQUARINGS=launch.inverse_squarings(LP),
-                       SOLVE_HERE=shape.solve_here,
+                       PIN=shape.pin, STAGES=shape.stages, READ_AFTER=read_after,
+                       SQUARINGS=launch.inverse_squarings(LP), SOLVE_HERE=shape.solve_here,
                        num_warps=shape.warps, **consts, **advance_consts, **tokens_consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
     if shape.fused:  # one launch: every program prepares its own inputs, and solves its own refresh

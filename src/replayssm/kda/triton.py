@@ -402,8 +402,8 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
                num_warps=shape.scores_warps)
     n, rounds = launch.refresh_grid(b, T, cache.window)
     launch.run(_kda_solve_kernel, (HK, n), slots, cursors, due, buf["k"], buf["k_scale"], buf["g"], g, buf["beta"],
-               *refresh, HK, HV, L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, SQUARINGS=launch.inverse_squarings(LP),
-               ROUNDS=rounds, num_warps=SOLVE_WARPS)
+               *refresh, HK, HV, L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK,
+               SQUARINGS=launch.inverse_squarings(LP), ROUNDS=rounds, num_warps=SOLVE_WARPS)
     FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "kda")
     read_after = launch.read_copy_after_fold(cache)
     if shape.split:
