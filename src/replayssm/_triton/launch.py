@@ -418,9 +418,10 @@ def window_pad(cache) -> int:
     return max(16, triton.next_power_of_2(cache.window))
 
 
-def inverse_squarings(LP: int) -> int:
-    """SQUARINGS of ``solve.unit_lower_inverse`` for a window padded to LP: log2(LP) - 1, the
-    factors (I + M^2) .. (I + M^{LP/2}) after (I + M); one fewer drops M^{LP/2} .. M^{LP-1}."""
+def inverse_levels(LP: int) -> int:
+    """LEVELS of ``solve.unit_lower_inverse`` for a window padded to LP: log2(LP) - 1, its
+    diagonal blocks doubled from 2 rows to LP; one fewer leaves the lower-left LP/2 x LP/2 block
+    of the inverse zero."""
     return LP.bit_length() - 2
 
 

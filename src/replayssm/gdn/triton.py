@@ -63,17 +63,16 @@ from .._triton.formats import (as_query, as_stored, column, exact_b_products, gl
 
 @triton.jit
 def _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L: tl.constexpr, LP: tl.constexpr,
-                       SQUARINGS: tl.constexpr):
+                       LEVELS: tl.constexpr):
     """For the value heads ``vh`` [RP] (``mine``: real ones) of a slot due to refresh (h committed
     entries), at once: ((I + M)^{-1} [RP, LP, LP], e^{c_j} [RP, LP], e^{g(j, h)} [RP, LP], e^{c_h}
     [RP]), the vectors zero past h. M[j, i] = beta_j e^{g(i, j]} gram[j, i] for i < j < h is
-    strictly lower triangular, so M^LP = 0 and (I + M)^{-1} = (I - M)(I + M^2)(I + M^4)...(I +
-    M^{LP/2}), then a Newton step: a few small products (SQUARINGS = log2(LP) - 1) instead of LP
-    dependent substitution steps, batched over the heads so that a refreshing program's chain of
-    products is one head long (``solve.unit_lower_inverse``: 3-pass tf32). The segment sums
-    g(i, j] = (lower-triangular g) x (strict upper ones) and the decays' sums are IEEE fp32
-    products (FMAs): sums of the segment's own terms, exact where a split product would lose low
-    bits of large log decays."""
+    strictly lower triangular; (I + M)^{-1} from its diagonal blocks doubled (LEVELS = log2(LP) -
+    1): a few small products instead of LP dependent substitution steps, batched over the heads
+    so that a refreshing program's chain of products is one head long (``solve.unit_lower_inverse``:
+    3-pass tf32). The segment sums g(i, j] = (lower-triangular g) x (strict upper ones) and the
+    decays' sums are IEEE fp32 products (FMAs): sums of the segment's own terms, exact where a
+    split product would lose low bits of large log decays."""
     j = tl.arange(0, LP)
     old = j < h
     entry = (row * L + j[None, :]) * HV + vh[:, None]  # [RP, LP]
@@ -95,7 +94,7 @@ def _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L: tl.cons
     total = tl.where(j[None, :] == LP - 1, prefix, 0.0)  # c_h: g_c is zero from h on
     lower = (ic < jr) & (jr < h)
     M = tl.where(lower, beta_c[:, :, None] * tl.exp(tl.where(lower, seg, 0.0)) * gram[None, :, :], 0.0)
-    return unit_lower_inverse(M, SQUARINGS, "tf32x3"), ec, es, tl.exp(tl.sum(total, 1))
+    return unit_lower_inverse(M, LEVELS, "tf32x3"), ec, es, tl.exp(tl.sum(total, 1))
 
 
 @triton.jit
@@ -212,7 +211,7 @@ def _gram(bk_ptr, bks_ptr, row, khead, h, HK, DK: tl.constexpr, DKP: tl.constexp
 @triton.jit
 def _gdn_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bks_ptr, bg_ptr, bbeta_ptr, tinv_ptr, decays_ptr, HK, HV,
                       L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, RATIO: tl.constexpr,
-                      RP: tl.constexpr, SQUARINGS: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
+                      RP: tl.constexpr, LEVELS: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
     """The refresh's solve, for the slots due only (the scores launch's list, ``window.list_due``):
     program (key head, c) takes the slots of ranks c, c + n, ... and writes, per value head of the
     key head, tinv[b, vh] = (I + M)^{-T} [LP, LP] and decays[b, vh] = (e^{c_j}, e^{g(j, h)}, e^{c_h}
@@ -230,7 +229,7 @@ def _gdn_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bks_ptr, bg_ptr, 
         if r < count:
             pid_b, row, h = due_slot(due_ptr, slots_ptr, cursors_ptr, r)
             gram = _gram(bk_ptr, bks_ptr, row, khead, h, HK, DK, DKP, L, LP)
-            X, ec, es, total = _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L, LP, SQUARINGS)
+            X, ec, es, total = _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L, LP, LEVELS)
             base = (pid_b * HV + vh) * LP  # [RP]
             tl.store(tinv_ptr + (base[:, None, None] + j[None, None, :]) * LP + j[None, :, None], X,
                      mask=mine[:, None, None])  # [i, j] = X[j, i]
@@ -252,13 +251,13 @@ def _solved(tinv_ptr, decays_ptr, pid_b, head, HV, LP: tl.constexpr):
 
 @triton.jit
 def _solve_here(bk_ptr, bks_ptr, bg_ptr, bbeta_ptr, row, khead, head, h, HK, HV, L: tl.constexpr, LP: tl.constexpr,
-                DK: tl.constexpr, DKP: tl.constexpr, SQUARINGS: tl.constexpr):
+                DK: tl.constexpr, DKP: tl.constexpr, LEVELS: tl.constexpr):
     """What ``_solved`` loads, computed by the refreshing program itself (a step of one launch,
     ``StepShape.fused``) for its value head, by the solve launch's operations: the same bits
     (``_residual_inverses`` sums in products, whose order no layout changes)."""
     gram = _gram(bk_ptr, bks_ptr, row, khead, h, HK, DK, DKP, L, LP)
     vh = head + tl.arange(0, 1)  # one head
-    X, ec, es, total = _residual_inverses(bg_ptr, bbeta_ptr, row, vh, vh >= 0, h, gram, HV, L, LP, SQUARINGS)
+    X, ec, es, total = _residual_inverses(bg_ptr, bbeta_ptr, row, vh, vh >= 0, h, gram, HV, L, LP, LEVELS)
     return tl.trans(tl.reshape(X, (LP, LP))), tl.reshape(ec, (LP,)), tl.reshape(es, (LP,)), tl.sum(total, 0)
 
 
@@ -317,7 +316,7 @@ def _gdn_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
                         DKP: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
                         R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr,
                         READ_AFTER: tl.constexpr, ROUNDS: tl.constexpr, SOLVE_HERE: tl.constexpr,
-                        SQUARINGS: tl.constexpr, PDL: tl.constexpr):
+                        LEVELS: tl.constexpr, PDL: tl.constexpr):
     """The refresh in a launch of its own (``StepShape.split``): program (v, head, c) refreshes FR
     rows of value head ``head`` of the slots due of ranks c, c + n, ... in the list the scores launch
     made (``window.list_due``; n programs per tile, ``launch.refresh_grid``). SOLVE_HERE: each
@@ -332,7 +331,7 @@ def _gdn_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
             khead = head // (HV // HK)
             if SOLVE_HERE:
                 Tinv, ec, es, total = _solve_here(bk_ptr, bks_ptr, bg_ptr, bbeta_ptr, row, khead, head, h, HK, HV, L,
-                                                  LP, DK, DKP, SQUARINGS)
+                                                  LP, DK, DKP, LEVELS)
             else:
                 Tinv, ec, es, total = _solved(tinv_ptr, decays_ptr, pid_b, head, HV, LP)
             _gdn_refresh_rows(pid_b, head, khead, row, h, pid_v * FR, seeds_ptr, tokens_ptr, Tinv, ec,
@@ -488,7 +487,7 @@ def _gdn_step_program(
         SHARED: tl.constexpr, OUTPUT_DOT: tl.constexpr, QP: tl.constexpr, STREAM: tl.constexpr,
         PIN: tl.constexpr, REFRESH: tl.constexpr, STAGES: tl.constexpr, READ_AFTER: tl.constexpr,
         FUSED: tl.constexpr, NORM: tl.constexpr, GATE: tl.constexpr, HAS_DTB: tl.constexpr, TREE: tl.constexpr,
-        SQUARINGS: tl.constexpr, SOLVE_HERE: tl.constexpr):
+        LEVELS: tl.constexpr, SOLVE_HERE: tl.constexpr):
     """Rows pid_v BV .. (pid_v + 1) BV of value head ``head`` of batch row ``pid_b`` (storage row
     ``row``, h committed entries, ``need``: due to refresh, folded here first when REFRESH). FUSED
     (a step of one launch): the program solves its own refresh (``_solve_here``) and prepares its
@@ -503,7 +502,7 @@ def _gdn_step_program(
         if need:  # refresh: re-solve the committed residuals from the anchor, fold, encode
             if FUSED or SOLVE_HERE:
                 Tinv, ec, es, total = _solve_here(bk_ptr, bks_ptr, bg_ptr, bbeta_ptr, row, khead, head, h, HK, HV, L,
-                                                  LP, DK, DKP, SQUARINGS)
+                                                  LP, DK, DKP, LEVELS)
             else:
                 Tinv, ec, es, total = _solved(tinv_ptr, decays_ptr, pid_b, head, HV, LP)
             _gdn_refresh_rows(pid_b, head, khead, row, h, pid_v * BV, seeds_ptr, tokens_ptr, Tinv, ec, es, total,
@@ -560,7 +559,7 @@ def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, de
                      W1: tl.constexpr, F2: tl.constexpr, F2P: tl.constexpr, W2: tl.constexpr, F3: tl.constexpr,
                      F3P: tl.constexpr, W3: tl.constexpr, F4: tl.constexpr, F4P: tl.constexpr,
                      W4: tl.constexpr, FUSED: tl.constexpr, NORM: tl.constexpr, GATE: tl.constexpr,
-                     HAS_DTB: tl.constexpr, TREE: tl.constexpr, MAXD: tl.constexpr, SQUARINGS: tl.constexpr,
+                     HAS_DTB: tl.constexpr, TREE: tl.constexpr, MAXD: tl.constexpr, LEVELS: tl.constexpr,
                      SOLVE_HERE: tl.constexpr,
                      PDL: tl.constexpr):
     """Program (v, head, c). FUSED: the whole step in this one launch (``StepShape.fused``): c is
@@ -592,7 +591,7 @@ def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, de
                 sqb, sqt, sqh, sqe, skb, skt, skh, ske, g_ptr, sgb, sgt, sgh, alog_ptr, s_alog, dtb_ptr, s_dtb, bg_ptr,
                 ks_ptr, gn_ptr, betan_ptr, parents_ptr, scale, T, L, LP, DV, DK, DKP, BV, FR, KC, A_FMT, A_SR, R_FMT,
                 R_SR, SHARED, OUTPUT_DOT, QP, STREAM, PIN, REFRESH, STAGES, READ_AFTER, FUSED, NORM, GATE, HAS_DTB,
-                TREE, SQUARINGS, SOLVE_HERE)
+                TREE, LEVELS, SOLVE_HERE)
             counted = need & REFRESH
             if FUSED:  # the last program advances, after every program of the row has read its cursor
                 counted = valid
@@ -643,7 +642,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     step_consts = dict(T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, BV=shape.rows, FR=FR, KC=KC,
                        OUTPUT_DOT=shape.output_dot, QP=max(16, triton.next_power_of_2(2 * T)), STREAM=shape.stream,
                        PIN=shape.pin, STAGES=shape.stages, READ_AFTER=read_after,
-                       SQUARINGS=launch.inverse_squarings(LP), SOLVE_HERE=shape.solve_here,
+                       LEVELS=launch.inverse_levels(LP), SOLVE_HERE=shape.solve_here,
                        num_warps=shape.warps, **consts, **advance_consts, **tokens_consts)
     extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
     if shape.fused:  # one launch: every program prepares its own inputs, and solves its own refresh
@@ -676,12 +675,12 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     programs, rounds = launch.refresh_grid(b, T, cache.window)
     solve = (slots, cursors, due, buf["k"], buf["k_scale"], buf["g"], buf["beta"], tinv, decays, HK, HV)
     solve_consts = dict(L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, RP=triton.next_power_of_2(HV // HK),
-                        SQUARINGS=launch.inverse_squarings(LP), ROUNDS=rounds, num_warps=SOLVE_WARPS)
+                        LEVELS=launch.inverse_levels(LP), ROUNDS=rounds, num_warps=SOLVE_WARPS)
     refresh_args = (slots, cursors, cache.tokens, cache.seeds, tinv, decays, *anchor, *read,
                     buf["k"], buf["k_scale"], buf["v"], buf["beta"], buf["g"], due, HV, HK)
     refresh_consts = dict(T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, FR=FR, KC=KC, STAGES=shape.stages,
                           READ_AFTER=read_after, ROUNDS=rounds, SOLVE_HERE=shape.solve_here,
-                          SQUARINGS=launch.inverse_squarings(LP), num_warps=shape.refresh_warps, **consts,
+                          LEVELS=launch.inverse_levels(LP), num_warps=shape.refresh_warps, **consts,
                           **({"maxnreg": shape.refresh_maxnreg} if shape.refresh_maxnreg else {}))
     # the scores launch's prepared q, k; the fused-only inputs unused (zero strides: one compile)
     step_args = (slots, cursors, cache.tokens, cache.seeds, tinv, decays, *anchor, *read, buf["k"], buf["k_scale"],

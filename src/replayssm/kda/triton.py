@@ -90,7 +90,7 @@ def _segments_along(G, seen):
 @triton.jit
 def _refresh_scalars(bk_ptr, bks_ptr, bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr, K_c, row, pid_b,
                      khead, vhead, h, HK, HV, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
-                     SQUARINGS: tl.constexpr):
+                     LEVELS: tl.constexpr):
     """For value head ``vhead`` of a slot due to refresh (h committed entries with keys K_c
     [LP, DKP], zero past h and from column DK on): tinv[b, vh] = (I + M)^{-T}, rk[b, vh],
     fk[b, vh] [LP, DK] and total[b, vh] = e^{G_h} [DK] (module docstring). IEEE fp32 throughout."""
@@ -117,7 +117,7 @@ def _refresh_scalars(bk_ptr, bks_ptr, bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr
                                         other=0.0).to(tl.float32)[None, :], 0.0)
         E = tl.where(before, tl.exp(tl.where(before, seg, float("-inf"))), 0.0)
         M = tl.where(j[:, None] == jj, tl.sum(K_c * E * k_j[None, :], 1)[None, :], M)
-    X = unit_lower_inverse(beta_c[:, None] * M, SQUARINGS, "ieee")
+    X = unit_lower_inverse(beta_c[:, None] * M, LEVELS, "ieee")
     through = tl.dot(tl.where(j[None, :] <= j[:, None], 1.0, 0.0), G_c, input_precision="ieee")  # [j, c]: G_j
     after = _segments_along(G_c, j < h)  # [j, c]: g(j, h)
     base = (pid_b * HV + vhead) * LP
@@ -220,7 +220,7 @@ def _kda_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bk_ptr, bks_ptr, b
 @triton.jit
 def _kda_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bks_ptr, bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr,
                       fk_ptr, total_ptr, HK, HV, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
-                      RATIO: tl.constexpr, SQUARINGS: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
+                      RATIO: tl.constexpr, LEVELS: tl.constexpr, ROUNDS: tl.constexpr, PDL: tl.constexpr):
     """The refresh's scalars (``_refresh_scalars``) for the slots due only (the scores launch's
     list, ``window.list_due``): program (key head, c) takes the slots of ranks c, c + n, ... and
     its key head's value heads. A launch of its own at ``SOLVE_WARPS`` (GDN's) for every preset
@@ -237,7 +237,7 @@ def _kda_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bks_ptr, bg_ptr, 
             K_c = window_keys(bk_ptr, bks_ptr, row, khead, h, ck, HK, DK, L, LP)
             for vv in tl.range(0, RATIO):  # a loop, not unrolled: registers
                 _refresh_scalars(bk_ptr, bks_ptr, bg_ptr, g_ptr, bbeta_ptr, tinv_ptr, rk_ptr, fk_ptr, total_ptr, K_c,
-                                 row, pid_b, khead, khead * RATIO + vv, h, HK, HV, L, LP, DK, DKP, SQUARINGS)
+                                 row, pid_b, khead, khead * RATIO + vv, h, HK, HV, L, LP, DK, DKP, LEVELS)
 
 
 @triton.jit
@@ -403,7 +403,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     n, rounds = launch.refresh_grid(b, T, cache.window)
     launch.run(_kda_solve_kernel, (HK, n), slots, cursors, due, buf["k"], buf["k_scale"], buf["g"], g, buf["beta"],
                *refresh, HK, HV, L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK,
-               SQUARINGS=launch.inverse_squarings(LP), ROUNDS=rounds, num_warps=SOLVE_WARPS)
+               LEVELS=launch.inverse_levels(LP), ROUNDS=rounds, num_warps=SOLVE_WARPS)
     FR, KC = min(launch.FOLD_ROWS, shape.rows), launch.refresh_columns(cache, "kda")
     read_after = launch.read_copy_after_fold(cache)
     if shape.split:
