@@ -580,6 +580,12 @@ def _outputs(ap):
                     help="benchmarks/tree_acceptance.py's JSON (chain against tree drafters): a section of its own")
 
 
+def _processes(jobs: int) -> str:
+    """How many processes made a same-run comparison: each batch size's rows come from one of them."""
+    count = {1: "One", 2: "Two", 3: "Three"}.get(jobs, str(jobs))
+    return f"{count} process" if jobs == 1 else f"{count} processes back to back (each batch size's rows from one)"
+
+
 def same_run_section(peers_json: str, latest_json: str = "") -> tuple[str, str]:
     """(BENCHMARKS.md section, README table) from the same-run comparison's JSON (``bench.peers``)
     and, if given, the figures measured again since (``latest_json``: one measurement or a list of
@@ -591,8 +597,8 @@ def same_run_section(peers_json: str, latest_json: str = "") -> tuple[str, str]:
     rep = peers.load(peers_json)
     commit = rep.get("replayssm_commit") or "?"
     L = ["## Against vLLM, fla and the paper's kernels, one run", "",
-         f"One process, one GPU ({rep['env'].get('gpu', '?')}), the same shapes, CUDA graphs and a state pool "
-         "larger than L2 for every kernel; bf16 activations, fp32 state, window 16, ReplaySSM replay buffers "
+         f"{_processes(rep.get('jobs', 1))}, one GPU ({rep['env'].get('gpu', '?')}), the same shapes, CUDA graphs "
+         "and a state pool larger than L2 for every kernel; bf16 activations, fp32 state, window 16, ReplaySSM replay buffers "
          f"in bf16; library at commit `{commit}`. The paper's kernels trade precision for their speed (bf16 "
          "fold operands, a bf16 residual cache; state errors 1.7e-3 to 2.6e-3 against float64); ReplaySSM "
          "`s32_rs` stays within 5e-7. Raw: `docs/bench/peers.json`."
