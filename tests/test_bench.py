@@ -243,7 +243,10 @@ def test_same_run_tables_from_the_comparison_json(tmp_path):
                     peers_json=str(path))
     out = readme.read_text()
     assert "paper's ReplaySSM kernel" in out and "old" not in out and out.endswith("y\n")
-    assert "abc1234" in (tmp_path / "B.md").read_text()
+    assert "abc1234" in (tmp_path / "B.md").read_text() and "One process, one GPU" in (tmp_path / "B.md").read_text()
+    # a comparison made by several processes on one machine (each batch size's rows from one) says so
+    path.write_text(json.dumps({"env": {"gpu": "stub"}, "results": rows, "replayssm_commit": "abc1234", "jobs": 2}))
+    assert "Two processes back to back" in report.same_run_section(str(path))[0]
 
 
 def test_tree_acceptance_section_from_its_json(tmp_path):
