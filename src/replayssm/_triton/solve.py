@@ -6,16 +6,16 @@ inverses of the diagonal blocks of size b (block diagonal), those of size 2b are
 
     X - X M_b X,    M_b: M's lower-left b x b block inside each diagonal block of size 2b
 
-(the block formula [[A, 0], [C, B]]^{-1} = [[A^{-1}, 0], [-B^{-1} C A^{-1}, B^{-1}]], for every block
-at once), from the 2 x 2 blocks' I - M up: 2 log2(LP) - 2 small products instead of LP dependent
-substitution steps, in IEEE fp32 (FMAs) or 3-pass tf32 on tensor cores, as the caller says. Every
-intermediate is an inverse of a diagonal block, so nothing grows and cancels: the product form
-(I - M)(I + M^2)(I + M^4)(I + M^8), as many products, has partial products that grow like M's
-powers (entries near 2000 for nearly parallel keys with beta and decays near 1, where the
+(the block formula [[A, 0], [C, B]]^{-1} = [[A^{-1}, 0], [-B^{-1} C A^{-1}, B^{-1}]], for every
+block at once), from the 2 x 2 blocks' I - M up: 2 log2(LP) - 2 small products instead of LP
+dependent substitution steps, in IEEE fp32 (FMAs) or 3-pass tf32 on tensor cores, as the caller
+says. Every intermediate is an inverse of a diagonal block, so nothing grows and cancels: the
+product form (I - M)(I + M^2)(I + M^4)(I + M^8), as many products, has partial products that grow
+like M's powers (entries near 2000 for nearly parallel keys with beta and decays near 1, where the
 inverse's stay below 1) and was off by up to 5e-4 in fp32 there, in a window of 64 (entries near
-1e10) by more than the inverse itself; the blocks stay at rounding (1e-7). GDN's solve launch was bound by the FMA products' operand round trips through shared
-memory (H100: L1 92% busy, DRAM 3%); KDA's, which builds M row by row, measured slower on tensor
-cores.
+1e10) by more than the inverse itself; the blocks stay at rounding (1e-7). GDN's solve launch was
+bound by the FMA products' operand round trips through shared memory (H100: L1 92% busy, DRAM 3%);
+KDA's, which builds M row by row, measured slower on tensor cores.
 """
 import triton
 import triton.language as tl

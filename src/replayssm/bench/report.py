@@ -598,7 +598,8 @@ def same_run_section(peers_json: str, latest_json: str = "") -> tuple[str, str]:
     commit = rep.get("replayssm_commit") or "?"
     L = ["## Against vLLM, fla and the paper's kernels, one run", "",
          f"{_processes(rep.get('jobs', 1))}, one GPU ({rep['env'].get('gpu', '?')}), the same shapes, CUDA graphs "
-         "and a state pool larger than L2 for every kernel; bf16 activations, fp32 state, window 16, ReplaySSM replay buffers "
+         "and a state pool larger than L2 for every kernel; bf16 activations, fp32 state, window 16, ReplaySSM "
+         "replay buffers "
          f"in bf16; library at commit `{commit}`. The paper's kernels trade precision for their speed (bf16 "
          "fold operands, a bf16 residual cache; state errors 1.7e-3 to 2.6e-3 against float64); ReplaySSM "
          "`s32_rs` stays within 5e-7. Raw: `docs/bench/peers.json`."
