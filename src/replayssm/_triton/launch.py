@@ -646,7 +646,8 @@ SPLIT_BESIDE_MIN_T = 4
 #: the residual inverse as a product with a Newton step and as doubled blocks alike; the read
 #: formats still agree with each other at any one batch), a 1-warp one's the same bits: likely the
 #: keys' norms, ``tl.sum``s in the layout's order, which the scores launch now takes at 1 warp
-#: (``SCORES_WARPS``). A 1-warp step of one launch is not timed yet. Those figures were timed while GDN's
+#: (``SCORES_WARPS``). A 1-warp step of one launch is not timed (it compiles to more instructions per
+#: thread and spills at T = 2; docs/gpu.md has the counts). Those figures were timed while GDN's
 #: in-program solve held a whole [16, 128] tile of keys (0.5 KB of spills); with ``gdn.triton._gram``
 #: (none), H100, one run, batch 1, launches -> one launch: decode GDN s32_rs 7.6 -> 6.7, tp16_hi32
 #: 7.8 -> 7.0, Mamba-2 5.9 -> 5.6, 5.8 -> 5.3; verify of 2 drafts GDN 17.7 -> 17.4, Mamba-2 14.8 ->
