@@ -529,7 +529,9 @@ SHAPES = {
 #: (H200, batch 32, us per step): GDN verify of 4 drafts from fp32 117.4 at 32 rows x 1 warp against
 #: 123.3 at 64 x 2, from fp8 116.4 against 122.4 at 64 x 1 (2 and 3 drafts: row reductions, H100
 #: 78.0 against 81.0 streamed at 32 x 1); GDN decode from NVFP4 69.4 with row reductions at 32 x 4
-#: against 74.7 streamed.
+#: against 74.7 streamed. The fp32 verify entry keeps the 168-register cap of the batch-256 one, under
+#: which its 32 x 1 programs spill 144 B (compiled for sm_90a; 238 registers and none uncapped, 165
+#: and none at 32 x 2); whether the cap pays below batch 64 is not timed.
 SMALL_BATCH_SHAPES = {
     ("gdn", "fp32"): ((4, dict(rows=32, warps=1)),),
     ("gdn", "fp8_e4m3"): ((2, dict(rows=32, output_dot=False, stream=0)), (4, dict(rows=32))),
