@@ -341,14 +341,13 @@ class ReplayCache:
         path = checks.accepted_path(self, slots, num_accepted, path)
         if self.buffer is None:  # no verify ever ran: nothing is pending, there is nothing to commit
             return
-        kind = pick_backend(self, backend)
-        rows, valid = self.rows_of(slots)
-        if path is not None and kind != "triton":
-            self._compact(rows, torch.where(valid, num_accepted, 0), path)
-        if kind == "triton":  # the entries moved, then one launch for the cursors, draft_gaps included
-            from ._triton import launch
+        if pick_backend(self, backend) == "triton":  # the entries moved, then one launch for the cursors (draft
+            from ._triton import launch  # gaps included), and no other kernel: at batch 1 each costs a launch
             launch.accept(self, slots, num_accepted, path)
         else:
+            rows, valid = self.rows_of(slots)
+            if path is not None:
+                self._compact(rows, torch.where(valid, num_accepted, 0), path)
             n = torch.minimum(num_accepted.clamp(min=0), self.pending[rows].long()).to(torch.int32)
             n = torch.where(valid, n, 0)
             self.committed[rows] += n
