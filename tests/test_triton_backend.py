@@ -83,7 +83,7 @@ WIDE = {"mamba2": dict(nheads=2, headdim=64, dstate=32, ngroups=1),
                                            ("gdn", "stream"), ("mamba2", "stream"),
                                            ("mamba2", "split"), ("gdn", "split"), ("gdn", "beside"),
                                            ("gdn", "beside_split"), ("mamba2", "beside"), ("gdn", "fused"),
-                                           ("mamba2", "fused"), ("gdn", "split_solve_here"),
+                                           ("mamba2", "fused"), ("gdn", "fused_stream"), ("gdn", "split_solve_here"),
                                            ("gdn", "beside_solve_here")])
 def test_triton_s32_matches_float64_reference(arch, variant):
     """Decode and verify rounds of every draft length and accept count, with pads and staggered
@@ -103,6 +103,7 @@ def test_triton_s32_matches_float64_reference(arch, variant):
     launch.TUNING.update({"rows64": dict(rows=64), "stream": dict(output_dot=True, stream=2), "split": dict(split=True),
                           "beside": dict(split=False, beside=True),
                           "beside_split": dict(split=True, beside=True), "fused": dict(fused=True),
+                          "fused_stream": dict(fused=True, output_dot=True, stream=2),
                           "split_solve_here": dict(split=True, solve_here=True),
                           "beside_solve_here": dict(split=False, beside=True, solve_here=True)}.get(variant, {}))
     try:

@@ -659,7 +659,7 @@ SPLIT_BESIDE_MIN_T = 4
 #: 22.4 -> 29.1.
 FUSED_MAX_BATCH = 2
 FUSED_MAX_T = 2
-FUSED_SHAPE = dict(rows=32, warps=2, fused=True)
+FUSED_SHAPE = dict(rows=32, warps=2, fused=True, output_dot=False)
 FUSED_ARCHS = ("mamba2", "gdn")
 
 
@@ -698,8 +698,9 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
         found = found._replace(**FUSED_SHAPE)
     # TUNING also holds launch options that are no shape field ("pdl", ``programmatic``)
     found = found._replace(**{key: value for key, value in TUNING.items() if key in StepShape._fields})
-    if found.fused:
-        found = found._replace(split=False, beside=False, output_dot=False, due_first=False)
+    if found.fused:  # GDN's may take its products on tensor cores (``TUNING``), from the keys it prepares
+        found = found._replace(split=False, beside=False, output_dot=found.output_dot and arch == "gdn",
+                               due_first=False)
     rows = found.rows
     if cache.dv <= FOLD_ROWS or cache.dv % FOLD_ROWS:
         rows = cache.row_block

@@ -371,17 +371,20 @@ def _token_loads(q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sb
 @triton.jit
 def _prepared_tokens(q_ptr, sqb, sqt, sqh, sqe, k_ptr, skb, skt, skh, ske, v_ptr, svb, svt, svh, sve, beta_ptr, sbb,
                      sbt, sbh, g_ptr, sgb, sgt, sgh, alog_ptr, s_alog, dtb_ptr, s_dtb, bk_ptr, bks_ptr, bg_ptr, bv_ptr,
-                     ks_ptr, gn_ptr, betan_ptr, parents_ptr, scale, pid_v, pid_b, valid, row, h, head, khead, rv, HV,
-                     HK, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
-                     R_FMT: tl.constexpr, NORM: tl.constexpr, GATE: tl.constexpr, HAS_DTB: tl.constexpr,
-                     TREE: tl.constexpr):
+                     ks_ptr, gn_ptr, betan_ptr, kn_ptr, qn_ptr, parents_ptr, scale, pid_v, pid_b, valid, row, h,
+                     head, khead, rv, HV, HK, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr,
+                     DKP: tl.constexpr, R_FMT: tl.constexpr, NORM: tl.constexpr, GATE: tl.constexpr,
+                     HAS_DTB: tl.constexpr, TREE: tl.constexpr, OUTPUT_DOT: tl.constexpr):
     """A step of one launch (``StepShape.fused``): the scores launch's work for the program's own
     value head, by the same operations (``_gdn_scores_kernel``), from the caller's q, k [b, T, HK,
     K], v, and g, beta [b, T, HV] (GATE: a and b, with A_log, dt_bias), all read through their
     strides. Returns ``_token_loads``' tuple and the gammas e^{c_t} by token. Programs of row
     block 0 also store what the batch row's advance copies into the buffer (``advance_row``, run
     by the row's last program): each key's normalizing factor into ks [b, T, HK] (the first value
-    head of each key head), and with GATE the gates into gn, betan [b, T, HV] fp32."""
+    head of each key head), and with GATE the gates into gn, betan [b, T, HV] fp32. OUTPUT_DOT: the
+    prepared keys and queries go to kn, qn [b, T, HK, DK] fp32 for ``streamed_products`` (every
+    program of a key head stores the same bits; the caller waits on its threads' stores), and
+    the tuple's keys and queries are zeros."""
     j = tl.arange(0, LP)
     ck = tl.arange(0, DKP)
     vh = head + tl.arange(0, 1)  # the program's value head, as a batch of one for the window helpers
@@ -403,6 +406,9 @@ def _prepared_tokens(q_ptr, sqb, sqt, sqh, sqe, k_ptr, skb, skt, skh, ske, v_ptr
         k, k_scale, q = new_key_query(k_ptr, skb, skt, skh, ske, q_ptr, sqb, sqt, sqh, sqe, pid_b, s, khead, ck, DK,
                                       bk_ptr.dtype.element_ty, NORM)
         tl.store(ks_ptr + tok * HK + khead, k_scale, mask=writer & (head % (HV // HK) == 0))
+        if OUTPUT_DOT:
+            tl.store(kn_ptr + (tok * HK + khead) * DK + ck, k * k_scale, mask=ck < DK)
+            tl.store(qn_ptr + (tok * HK + khead) * DK + ck, q * scale, mask=ck < DK)
         gates = gates + (gate,)
         betas = betas + (beta,)
         keys = keys + (k * k_scale,)
@@ -420,8 +426,10 @@ def _prepared_tokens(q_ptr, sqb, sqt, sqh, sqe, k_ptr, skb, skt, skh, ske, v_ptr
         decay = tl.sum(decay, 0)  # [LP]: the one head's
         to_q = decay * tl.sum(K * queries[s][None, :], 1)
         to_k = tl.where(j < h + s, decay, 0.0) * tl.sum(K * keys[s][None, :], 1)
-        ka, kb = as_query(keys[s], R_FMT)
-        qa, qb = as_query(queries[s], R_FMT)
+        ka, kb, qa, qb = 0.0, 0.0, 0.0, 0.0
+        if not OUTPUT_DOT:
+            ka, kb = as_query(keys[s], R_FMT)
+            qa, qb = as_query(queries[s], R_FMT)
         v_s = as_stored(tl.load(v_ptr + pid_b * svb + s * svt + head * svh + rv * sve), bv_ptr.dtype.element_ty)
         tokens_in = tokens_in + ((v_s, betas[s], to_k, to_q, ka, kb, qa, qb),)
         gammas = gammas + (tl.sum(gamma, 0),)
@@ -482,7 +490,7 @@ def _gdn_step_program(
         bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, bu_ptr,
         q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr, gammas_ptr, o_ptr, HV, HK,
         sqb, sqt, sqh, sqe, skb, skt, skh, ske, g_ptr, sgb, sgt, sgh, alog_ptr, s_alog, dtb_ptr, s_dtb, bg_ptr,
-        ks_ptr, gn_ptr, betan_ptr, parents_ptr, scale,
+        ks_ptr, gn_ptr, betan_ptr, kn_ptr, qn_ptr, parents_ptr, scale,
         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr,
         DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, BV: tl.constexpr, FR: tl.constexpr,
         KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr, R_FMT: tl.constexpr, R_SR: tl.constexpr,
@@ -521,12 +529,14 @@ def _gdn_step_program(
     # the window's cached read-path residuals [BV, LP]
     U = tl.load(bu_ptr + ((row * L + j[None, :]) * HV + head) * DV + rv[:, None], mask=(j < h)[None, :], other=0.0)
     if FUSED:
-        tl.static_assert(not OUTPUT_DOT, "a step of one launch takes its read-copy products by row reductions")
         tokens_in, gammas = _prepared_tokens(
             q_ptr, sqb, sqt, sqh, sqe, k_ptr, skb, skt, skh, ske, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh,
             g_ptr, sgb, sgt, sgh, alog_ptr, s_alog, dtb_ptr, s_dtb, bk_ptr, bks_ptr, bg_ptr, bv_ptr, ks_ptr, gn_ptr,
-            betan_ptr, parents_ptr, scale, pid_v, pid_b, valid, row, h, head, khead, rv, HV, HK, T, L, LP, DK, DKP,
-            R_FMT, NORM, GATE, HAS_DTB, TREE)
+            betan_ptr, kn_ptr, qn_ptr, parents_ptr, scale, pid_v, pid_b, valid, row, h, head, khead, rv, HV, HK, T, L,
+            LP, DK, DKP, R_FMT, NORM, GATE, HAS_DTB, TREE, OUTPUT_DOT)
+        if OUTPUT_DOT:  # the products read the keys and queries just stored, by other threads too
+            tl.debug_barrier()
+            k_ptr, q_ptr = kn_ptr, qn_ptr
     else:
         tokens_in = _token_loads(q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr,
                                  bv_ptr, pid_b, head, khead, rv, HV, HK, T, LP, DV, DK, DKP, R_FMT, OUTPUT_DOT)
@@ -546,7 +556,8 @@ def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, de
                      SCRATCH, HV, HK, sqb: tl.constexpr, sqt: tl.constexpr, sqh: tl.constexpr, sqe: tl.constexpr,
                      skb: tl.constexpr, skt: tl.constexpr, skh: tl.constexpr, ske: tl.constexpr, g_ptr,
                      sgb: tl.constexpr, sgt: tl.constexpr, sgh: tl.constexpr, alog_ptr, s_alog: tl.constexpr, dtb_ptr,
-                     s_dtb: tl.constexpr, bg_ptr, ks_ptr, gn_ptr, betan_ptr, parents_ptr, gaps_ptr, scale,
+                     s_dtb: tl.constexpr, bg_ptr, ks_ptr, gn_ptr, betan_ptr, kn_ptr, qn_ptr, parents_ptr, gaps_ptr,
+                     scale,
                      committed_ptr, pending_ptr, refreshes_ptr, done_ptr, s1,
                      s1b: tl.constexpr, s1t: tl.constexpr, s1h: tl.constexpr, s1e: tl.constexpr, d1, s2,
                      s2b: tl.constexpr, s2t: tl.constexpr, s2h: tl.constexpr, s2e: tl.constexpr, d2, s3,
@@ -591,7 +602,8 @@ def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, de
                 decays_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, bu_ptr,
                 q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr, gammas_ptr, o_ptr, HV, HK,
                 sqb, sqt, sqh, sqe, skb, skt, skh, ske, g_ptr, sgb, sgt, sgh, alog_ptr, s_alog, dtb_ptr, s_dtb, bg_ptr,
-                ks_ptr, gn_ptr, betan_ptr, parents_ptr, scale, T, L, LP, DV, DK, DKP, BV, FR, KC, A_FMT, A_SR, R_FMT,
+                ks_ptr, gn_ptr, betan_ptr, kn_ptr, qn_ptr, parents_ptr, scale, T, L, LP, DV, DK, DKP, BV, FR, KC,
+                A_FMT, A_SR, R_FMT,
                 R_SR, SHARED, OUTPUT_DOT, QP, STREAM, PIN, REFRESH, STAGES, READ_AFTER, FUSED, NORM, GATE, HAS_DTB,
                 TREE, LEVELS, SOLVE_HERE)
             counted = need & REFRESH
@@ -653,12 +665,15 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
         else:
             g_in, beta_in, alog, dtb = g, beta, None, None
         unused = cursors  # the other launches' results: never read
+        # with output_dot, the prepared keys and queries that the programs' products read back
+        kn, qn = (torch.empty(q.shape, dtype=torch.float32, device=dev) for _ in range(2)) if shape.output_dot \
+            else (unused, unused)
         step_args = (slots, unused, cache.tokens, cache.seeds, unused, unused, *anchor, *read, buf["k"], buf["k_scale"],
                      buf["v"], buf["beta"], buf["u"], q, k, v, *strides(v), beta_in, *strides(beta_in)[:3], unused,
                      unused, o, unused, cache.scratch_row, HV, HK, *strides(q), *strides(k), g_in, *strides(g_in)[:3],
                      g_in if alog is None else alog, head_stride(alog), g_in if dtb is None else dtb, head_stride(dtb),
-                     buf["g"], k_scale, g, beta, tree, cache.draft_gaps, float(scale), *advanced)
-        assert not shape.output_dot and not shape.beside and not shape.split
+                     buf["g"], k_scale, g, beta, kn, qn, tree, cache.draft_gaps, float(scale), *advanced)
+        assert not shape.beside and not shape.split
         launch.run(_gdn_step_kernel, (V // shape.rows, HV, b), *step_args, REFRESH=True, DUE=launch.EVERY_SLOT,
                    ROUNDS=1, FUSED=True, **extra, **step_consts)
         return o
@@ -687,8 +702,8 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     # the scores launch's prepared q, k; the fused-only inputs unused (zero strides: one compile)
     step_args = (slots, cursors, cache.tokens, cache.seeds, tinv, decays, *anchor, *read, buf["k"], buf["k_scale"],
                  buf["v"], buf["beta"], buf["u"], qn, kn, v, *strides(v), beta, *strides(beta)[:3], scores, gammas, o,
-                 due, cache.scratch_row, HV, HK, *[0] * 8, g, 0, 0, 0, g, 0, g, 0, buf["g"], k_scale, g, beta, tree,
-                 cache.draft_gaps, float(scale), *advanced)
+                 due, cache.scratch_row, HV, HK, *[0] * 8, g, 0, 0, 0, g, 0, g, 0, buf["g"], k_scale, g, beta, kn, qn,
+                 tree, cache.draft_gaps, float(scale), *advanced)
     due_work = [] if shape.solve_here else [(_gdn_solve_kernel, (HK, programs), solve, solve_consts)]
     if shape.split:
         due_work.append((_gdn_refresh_kernel, (V // FR, HV, programs), refresh_args, refresh_consts))
