@@ -121,7 +121,8 @@ def test_steps_of_one_launch_assemble_without_spills(tmp_path):
     columns at a time, ``gdn.triton._gram``: a whole [16, 128] tile of keys spilled 0.5 KB). GDN's
     verify of 2 drafts, at 255 registers, may spill up to 32 bytes in its refresh branch, whose
     products take the keys as buffered (``formats.exact_b_products``; measured no slower: H100,
-    batch 1, 16.9 against 17.2 us per round with 3-pass tf32)."""
+    batch 1, 16.9 against 17.2 us per round with 3-pass tf32), and its decode 8 bytes: the keys'
+    norms as tensor-core products (``window._square_norm``) took the last registers."""
     for draft in ("1", "2"):
         rows = [line.split() for line in _compile_for_sm90(
             tmp_path, PTXAS_REPORT, "--arch", "mamba2,gdn", "--presets", "s32_rs", "--batch", "1", "--draft",
@@ -129,6 +130,6 @@ def test_steps_of_one_launch_assemble_without_spills(tmp_path):
         assert [r[3] for r in rows] == ["_mamba2_step_kernel", "_gdn_step_kernel"], rows
         for arch, preset, shape, kernel, regs, spills, *_ in rows:
             stores, loads = (int(n) for n in spills.split("/"))
-            allowed = 32 if (arch, draft) == ("gdn", "2") else 0
+            allowed = {("gdn", "1"): 8, ("gdn", "2"): 32}.get((arch, draft), 0)
             assert shape == "32x2" and 0 < int(regs) <= 255 and stores <= allowed and loads <= allowed, \
                 (arch, draft, shape, regs, spills)

@@ -442,7 +442,8 @@ class StepShape(NamedTuple):
     #: refresh launch with split, else the refresh a branch) on a side stream (``side_stream``), beside
     #: the step of the other slots (``NOT_DUE``)
     fused: bool = False  #: GDN: the whole step in one launch, each program preparing its own inputs and
-    #: solving its own refresh (no scores or solve launch; the refresh a branch, row reductions)
+    #: solving its own refresh (no scores or solve launch; the refresh a branch; row reductions, or
+    #: with output_dot (GDN) streamed products with the keys and queries it prepares)
     due_first: bool = False  #: the launch over every slot visits the slots due first (``DUE_FIRST``,
     #: ``window.step_item``), the refresh a branch
     scores_warps: int = 2  #: warps per program of the scores launch (``SCORES_WARPS``)
@@ -644,12 +645,12 @@ SPLIT_BESIDE_MIN_T = 4
 #: and the refresh branch sets every program's registers). Two warps, not four: GDN's refresh
 #: solved by a 4-warp program gave other anchor bits than the solve launch on the GPU (max 2.4e-7,
 #: ``benchmarks/refresh_bits.py``), by a 2-warp one then the same. With the solve's present
-#: products the 2-warp program's anchors are again up to 2.4e-7 from the launches' (H100 and H200,
-#: the residual inverse as a product with a Newton step and as doubled blocks alike; the read
-#: formats still agree with each other at any one batch), a 1-warp one's the same bits: likely the
-#: keys' norms, ``tl.sum``s in the layout's order, which the scores launch now takes at 1 warp
-#: (``SCORES_WARPS``). A 1-warp step of one launch is not timed (it compiles to more instructions per
-#: thread and spills at T = 2; docs/gpu.md has the counts). Those figures were timed while GDN's
+#: products the 2-warp program's anchors were up to 2.4e-7 from the launches' while the keys' norms
+#: were ``tl.sum``s, in the order of each launch's layout (the scores launch's at 1 warp,
+#: ``SCORES_WARPS``); as tensor-core products (``window._square_norm``) they are the same bits in
+#: every launch, and the anchors of 2-warp programs the launches' (H200, ``refresh_bits.py``, decode
+#: and verify of 4 drafts; at no measurable cost: batch 256 GDN s32_rs decode 356.1 -> 356.9, verify
+#: of 4 drafts 621.0 -> 617.1, one run). Those figures were timed while GDN's
 #: in-program solve held a whole [16, 128] tile of keys (0.5 KB of spills); with ``gdn.triton._gram``
 #: (none), H100, one run, batch 1, launches -> one launch: decode GDN s32_rs 7.6 -> 6.7, tp16_hi32
 #: 7.8 -> 7.0, Mamba-2 5.9 -> 5.6, 5.8 -> 5.3; verify of 2 drafts GDN 17.7 -> 17.4, Mamba-2 14.8 ->

@@ -7,7 +7,7 @@ later replay will read them back); other positions are zero. A refreshing slot h
 import triton
 import triton.language as tl
 
-from .formats import as_stored, within
+from .formats import INTERPRETED, as_stored, within
 
 
 @triton.jit
@@ -230,8 +230,27 @@ def new_key_query(k_ptr, skb, skt, skh, ske, q_ptr, sqb, sqt, sqh, sqe, pid_b, s
     k = as_stored(k, STORED).to(tl.float32)
     q = tl.load(q_ptr + pid_b * sqb + s * sqt + head * sqh + ck * sqe, mask=cols, other=0.0).to(tl.float32)
     if NORM:
-        return k, 1.0 / tl.sqrt(tl.sum(k * k, 0) + 1e-6), q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
+        return k, 1.0 / tl.sqrt(_square_norm(k, STORED) + 1e-6), q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
     return k, 1.0, q
+
+
+@triton.jit
+def _square_norm(x, STORED: tl.constexpr):
+    """x . x for x [N] fp32 (N >= 16) holding values of dtype STORED, as a tensor-core product: its
+    bits are the same in programs of any warp count, where a ``tl.sum``'s order follows the layout,
+    so every launch that prepares a key buffers the same normalizing factor, which the refresh
+    reads. A 16-bit x multiplies in its own dtype (exact products, fp32 sums), an fp32 one in
+    3-pass tf32."""
+    if STORED == tl.float32:
+        X = tl.broadcast_to(x[None, :], (16, x.shape[0]))
+        P = tl.dot(X, tl.trans(X), input_precision="tf32x3")
+    else:
+        X = tl.broadcast_to(x.to(STORED)[None, :], (16, x.shape[0]))
+        if INTERPRETED:  # the interpreter's products do not take 16-bit operands; fp32 holds them exactly
+            X = X.to(tl.float32)
+        P = tl.dot(X, tl.trans(X), out_dtype=tl.float32)
+    i = tl.arange(0, 16)
+    return tl.sum(tl.sum(tl.where((i[:, None] == 0) & (i[None, :] == 0), P, 0.0), 1), 0)  # P[0, 0], exactly
 
 
 @triton.jit

@@ -254,9 +254,9 @@ def _solve_here(bk_ptr, bks_ptr, bg_ptr, bbeta_ptr, row, khead, head, h, HK, HV,
                 DK: tl.constexpr, DKP: tl.constexpr, LEVELS: tl.constexpr):
     """What ``_solved`` loads, computed by the refreshing program itself (a step of one launch,
     ``StepShape.fused``) for its value head, by the solve launch's operations. The segment sums are
-    IEEE products, whose order no layout changes; the tensor-core products of the Gram matrix and
-    the inverse gave the launches' bits in a 1-warp program on the GPU and up to 2.4e-7 apart in a
-    2-warp one (``launch.FUSED_SHAPE``)."""
+    IEEE products, whose order no layout changes, and the keys' normalizing factors tensor-core
+    products (``window._square_norm``): a 2-warp program gives the launches' anchor bits on the GPU,
+    a 4-warp one other bits (``launch.FUSED_SHAPE``)."""
     gram = _gram(bk_ptr, bks_ptr, row, khead, h, HK, DK, DKP, L, LP)
     vh = head + tl.arange(0, 1)  # one head
     X, ec, es, total = _residual_inverses(bg_ptr, bbeta_ptr, row, vh, vh >= 0, h, gram, HV, L, LP, LEVELS)
