@@ -291,7 +291,8 @@ def test_triton_read_precision_and_tile_leave_anchor_bit_identical(arch):
     """Changing only the read format of an fp32 anchor (and so the step's tile: NVFP4 runs 4 warps,
     others 1), the rows per program (64 rows fold as two 32-row sub-tiles) or the launches (a step of
     one launch computes each refresh's scalars in the refreshing program, the launches in the scores
-    or solve launch) changes outputs, never the anchor bits: decode and verify rounds across
+    or solve launch) changes outputs, never the anchor bits: decode and verify rounds of up to 4
+    drafts (GDN's one launch takes the read-copy products of 3 and 4 on tensor cores) across
     refreshes, two heads of 64 rows."""
     from replayssm._triton import launch
 
@@ -299,19 +300,20 @@ def test_triton_read_precision_and_tile_leave_anchor_bit_identical(arch):
     g = helpers.generator(9)
     slots = torch.tensor([0, 1])
     state = torch.randn(2, *layer.state_shape, generator=g)
-    runs = {p: layer.cache(2, window=4, max_draft=2, precision=p)
+    runs = {p: layer.cache(2, window=4, max_draft=4, precision=p)
             for p in ("s32_rs", "tp16_hi32", "tpbf16_hi32", "tp8_hi32", "tp4_hi32")}
-    runs["s32_rs@64"] = layer.cache(2, window=4, max_draft=2, precision="s32_rs")
-    # two slots, at most 2 tokens: one launch by default (``launch.FUSED_MAX_BATCH``); the launches too
-    runs["s32_rs@launches"] = layer.cache(2, window=4, max_draft=2, precision="s32_rs")
+    runs["s32_rs@64"] = layer.cache(2, window=4, max_draft=4, precision="s32_rs")
+    # two slots: one launch by default (``launch.FUSED_MAX_BATCH``; fp8 and NVFP4 verify of 3 or
+    # more drafts, the launches); the launches too
+    runs["s32_rs@launches"] = layer.cache(2, window=4, max_draft=4, precision="s32_rs")
     if arch == "gdn":  # each refreshing program solves its own head's system (no solve launch)
-        runs["s32_rs@solve_here"] = layer.cache(2, window=4, max_draft=2, precision="s32_rs")
-        runs["tp16_hi32@solve_here"] = layer.cache(2, window=4, max_draft=2, precision="tp16_hi32")
+        runs["s32_rs@solve_here"] = layer.cache(2, window=4, max_draft=4, precision="s32_rs")
+        runs["tp16_hi32@solve_here"] = layer.cache(2, window=4, max_draft=4, precision="tp16_hi32")
     outs = {p: [] for p in runs}
     for c in runs.values():
         c.load_state(slots, state)
-    for step in range(9):
-        T = 2 if step % 3 == 2 else 1
+    for step in range(10):
+        T = (1, 1, 2, 1, 3, 1, 4, 1, 2, 1)[step]
         tok = layer.tokens(g, 2, T)
         for p, c in runs.items():
             launch.TUNING.clear()
@@ -320,7 +322,7 @@ def test_triton_read_precision_and_tile_leave_anchor_bit_identical(arch):
             try:
                 outs[p].append(layer.run(c, slots, tok, T > 1).reshape(-1))
                 if T > 1:
-                    layer.accept(c, slots, torch.tensor([1, 2]))
+                    layer.accept(c, slots, torch.tensor([1, T]))
             finally:
                 launch.TUNING.clear()
     assert all(int(c.refreshes[:2].min()) >= 2 for c in runs.values())
@@ -640,8 +642,17 @@ def test_step_shapes_follow_the_policy():
     assert launch.step_shape(small, "mamba2").rows == 16
     for arch, cache in (("gdn", wide), ("mamba2", m8), ("kda", kda)):  # one launch for the smallest steps
         assert [launch.step_shape(cache, arch, T, batch=b).fused
-                for b, T in ((1, 1), (2, 2), (3, 1), (1, 3))] == [arch != "kda"] * 2 + [False] * 2
+                for b, T in ((1, 1), (2, 2), (3, 1), (1, 5))] == [arch != "kda"] * 2 + [False] * 2
     assert launch.step_shape(wide, "gdn", 1, batch=1)[:2] == (32, 2)
+    # verify rounds of 3 and 4 drafts too, from fp32 and 2-byte read copies; GDN's with streamed products
+    for preset, one in (("s32_rs", True), ("tp16_hi32", True), ("tpbf16_hi32", True), ("tp8_hi32", False)):
+        for arch, cache in (("gdn", rs.GDNCache(1, 1, 2, 32, 64, precision=preset, max_draft=8)),
+                            ("mamba2", rs.Mamba2Cache(1, 2, 64, 32, precision=preset, max_draft=8))):
+            for T, b in ((3, 1), (4, 2)):
+                found = launch.step_shape(cache, arch, T, batch=b)
+                assert found.fused == one and (not one or found.output_dot == (arch == "gdn")), (preset, arch, T, b)
+            assert not launch.step_shape(cache, arch, 5, batch=1).fused
+            assert not launch.step_shape(cache, arch, 2, batch=1).output_dot
     odd = rs.GDNCache(1, 1, 2, 48, 24, precision="tp8_hi32")  # dk = 48, dv = 24: 8-row blocks
     assert launch.step_shape(odd, "gdn").rows == 8 and launch.column_pad(odd) == 64
     assert launch.step_shape(rs.Mamba2Cache(1, 2, 3, 5), "mamba2").rows == 1

@@ -660,8 +660,21 @@ SPLIT_BESIDE_MIN_T = 4
 #: 22.4 -> 29.1.
 FUSED_MAX_BATCH = 2
 FUSED_MAX_T = 2
-FUSED_SHAPE = dict(rows=32, warps=2, fused=True, output_dot=False)
+FUSED_SHAPE = dict(rows=32, warps=2, fused=True, output_dot=False, maxnreg=0)
 FUSED_ARCHS = ("mamba2", "gdn")
+#: Verify rounds of up to FUSED_VERIFY_MAX_T drafts from fp32 and 2-byte read copies are one launch
+#: too, GDN's taking its read-copy products on tensor cores from FUSED_DOT_MIN_T drafts on (streamed,
+#: 2 chunks in flight, from the keys and queries each program prepares). H200, one run, staggered, us
+#: per round, launches -> one launch: batch 1, 3 drafts, GDN s32_rs 16.5 -> 15.0, Mamba-2 12.1 ->
+#: 10.2; 4 drafts GDN 21.3 -> 17.9, tp16_hi32 20.4 -> 17.8, Mamba-2 15.1 -> 13.2, tp16_hi32 15.0 ->
+#: 12.9; batch 2, 3 drafts GDN 21.0 -> 18.0, Mamba-2 14.5 -> 12.4; 4 drafts GDN 26.6 -> 21.5,
+#: tp16_hi32 25.7 -> 21.4, Mamba-2 17.8 -> 15.5; but batch 4, GDN 4 drafts 35.6 -> 38.2; GDN's verify of
+#: 2 drafts at batch 1 keeps row reductions (11.5 against 12.2 streamed). The anchors are the
+#: launches' bits (``refresh_bits.py``, 4 drafts, both layer kinds; a 4-warp program, Mamba-2's
+#: the same bits and 13.6 us, GDN's other bits). fp8 and NVFP4 read copies are not timed so.
+FUSED_VERIFY_MAX_T = 4
+FUSED_VERIFY_FORMATS = ("fp32", "fp16", "bf16")
+FUSED_DOT_MIN_T = 3
 
 
 def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> StepShape:
@@ -695,8 +708,10 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
                                and batch * cache.nheads <= SOLVE_HERE_MAX_HEAD_ROWS)
         found = found._replace(split=found.beside and arch == "gdn" and fmt == "fp32" and T >= SPLIT_BESIDE_MIN_T
                                and batch >= SPLIT_BESIDE_MIN_BATCH)
-    if batch <= FUSED_MAX_BATCH and T <= FUSED_MAX_T and arch in FUSED_ARCHS:
-        found = found._replace(**FUSED_SHAPE)
+    most = FUSED_VERIFY_MAX_T if fmt in FUSED_VERIFY_FORMATS else FUSED_MAX_T
+    if batch <= FUSED_MAX_BATCH and T <= most and arch in FUSED_ARCHS:
+        dot = arch == "gdn" and T >= FUSED_DOT_MIN_T
+        found = found._replace(**dict(FUSED_SHAPE, output_dot=dot, stream=2 if dot else 0))
     # TUNING also holds launch options that are no shape field ("pdl", ``programmatic``)
     found = found._replace(**{key: value for key, value in TUNING.items() if key in StepShape._fields})
     if found.fused:  # GDN's may take its products on tensor cores (``TUNING``), from the keys it prepares
