@@ -666,7 +666,7 @@ FUSED_ARCHS = ("mamba2", "gdn")
 #: too, GDN's taking its read-copy products on tensor cores from FUSED_DOT_MIN_T drafts on (streamed,
 #: 2 chunks in flight, from the keys and queries each program prepares). H200, one run, staggered, us
 #: per round, launches -> one launch: batch 1, 3 drafts, GDN s32_rs 16.5 -> 15.0, Mamba-2 12.1 ->
-#: 10.2; 4 drafts GDN 21.3 -> 17.9, tp16_hi32 20.4 -> 17.8, Mamba-2 15.1 -> 13.2, tp16_hi32 15.0 ->
+#: 10.2; 4 drafts GDN 21.6 -> 17.9, tp16_hi32 20.4 -> 17.8, Mamba-2 15.1 -> 13.2, tp16_hi32 15.0 ->
 #: 12.9; batch 2, 3 drafts GDN 21.0 -> 18.0, Mamba-2 14.5 -> 12.4; 4 drafts GDN 26.6 -> 21.5,
 #: tp16_hi32 25.7 -> 21.4, Mamba-2 17.8 -> 15.5; but batch 4, GDN 4 drafts 35.6 -> 38.2; GDN's verify of
 #: 2 drafts at batch 1 keeps row reductions (11.5 against 12.2 streamed). The anchors are the

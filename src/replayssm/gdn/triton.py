@@ -406,13 +406,14 @@ def _prepared_tokens(q_ptr, sqb, sqt, sqh, sqe, k_ptr, skb, skt, skh, ske, v_ptr
         k, k_scale, q = new_key_query(k_ptr, skb, skt, skh, ske, q_ptr, sqb, sqt, sqh, sqe, pid_b, s, khead, ck, DK,
                                       bk_ptr.dtype.element_ty, NORM)
         tl.store(ks_ptr + tok * HK + khead, k_scale, mask=writer & (head % (HV // HK) == 0))
+        k, q = k * k_scale, q * scale
         if OUTPUT_DOT:
-            tl.store(kn_ptr + (tok * HK + khead) * DK + ck, k * k_scale, mask=ck < DK)
-            tl.store(qn_ptr + (tok * HK + khead) * DK + ck, q * scale, mask=ck < DK)
+            tl.store(kn_ptr + (tok * HK + khead) * DK + ck, k, mask=ck < DK)
+            tl.store(qn_ptr + (tok * HK + khead) * DK + ck, q, mask=ck < DK)
         gates = gates + (gate,)
         betas = betas + (beta,)
-        keys = keys + (k * k_scale,)
-        queries = queries + (q * scale,)
+        keys = keys + (k,)
+        queries = queries + (q,)
     K = window_keys(bk_ptr, bks_ptr, row, khead, h, ck, HK, DK, L, LP)
     for n in tl.static_range(T):  # the new keys at positions h + n
         K = tl.where((j == h + n)[:, None], keys[n][None, :], K)
