@@ -247,6 +247,14 @@ def test_same_run_tables_from_the_comparison_json(tmp_path):
     # a comparison made by several processes on one machine (each batch size's rows from one) says so
     path.write_text(json.dumps({"env": {"gpu": "stub"}, "results": rows, "replayssm_commit": "abc1234", "jobs": 2}))
     assert "Two processes back to back" in report.same_run_section(str(path))[0]
+    # a further comparison (another GPU, a later commit) follows the first's tables, titled by both
+    other = tmp_path / "peers_other.json"
+    other.write_text(json.dumps({"env": {"gpu": "other-gpu"}, "results": rows, "replayssm_commit": "def5678"}))
+    report.generate([str(bench_json)], str(tmp_path / "out"), str(tmp_path / "B.md"), "-", draw=False,
+                    peers_json=[str(path), str(other)])
+    text = (tmp_path / "B.md").read_text()
+    assert text.index("abc1234") < text.index("## The same comparison on an other-gpu, library at `def5678`")
+    assert "peers_other.json" in text
 
 
 def test_tree_acceptance_section_from_its_json(tmp_path):

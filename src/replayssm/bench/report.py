@@ -568,8 +568,9 @@ def _outputs(ap):
     ap.add_argument("--markdown", default="BENCHMARKS.md", help="BENCHMARKS.md to write ('-': none)")
     ap.add_argument("--readme", default="README.md", help="README whose headline table is replaced ('-': none)")
     ap.add_argument("--no-plots", dest="plots", action="store_false", help="do not draw the plots")
-    ap.add_argument("--peers", default="", metavar="JSON",
-                    help="JSON of a same-run comparison with other projects' kernels (bench.peers): tables first")
+    ap.add_argument("--peers", nargs="+", default=[], metavar="JSON",
+                    help="JSON of a same-run comparison with other projects' kernels (bench.peers): tables first; "
+                         "further ones (another GPU, a later commit) follow, a section each")
     ap.add_argument("--latest", default="", metavar="JSON",
                     help="with --peers: figures measured again since that run, beside its own")
     ap.add_argument("--e2e", default="", metavar="JSON", help="benchmarks/e2e_decode.py's JSON: a section of its own")
@@ -586,9 +587,11 @@ def _processes(jobs: int) -> str:
     return f"{count} process" if jobs == 1 else f"{count} processes back to back (each batch size's rows from one)"
 
 
-def same_run_section(peers_json: str, latest_json: str = "") -> tuple[str, str]:
-    """(BENCHMARKS.md section, README table) from the same-run comparison's JSON (``bench.peers``)
-    and, if given, the figures measured again since (``latest_json``: one measurement or a list of
+def same_run_section(peers_json: str, latest_json: str = "", first: bool = True, further=()) -> tuple[str, str]:
+    """(BENCHMARKS.md section, README table) from the same-run comparison's JSON (``bench.peers``;
+    ``first``: the main one, else a further run titled by its GPU and commit), then those of
+    ``further`` comparisons' JSONs, and, if given, the figures measured again since
+    (``latest_json``: one measurement or a list of
     them, each {"commit", "gpu", "how", "rows": [{"arch", "model", "step", "preset", "us",
     "before"}], optionally "columns": the time columns' names (one: no "before" column), "batch":
     the batch, 256 if none, "readme": false to leave it out of the README's lines})."""
@@ -596,19 +599,23 @@ def same_run_section(peers_json: str, latest_json: str = "") -> tuple[str, str]:
 
     rep = peers.load(peers_json)
     commit = rep.get("replayssm_commit") or "?"
-    L = ["## Against vLLM, fla and the paper's kernels, one run", "",
+    title = ("Against vLLM, fla and the paper's kernels, one run" if first else
+             f"The same comparison on an {rep['env'].get('gpu', '?')}, library at `{commit}`")
+    L = [f"## {title}", "",
          f"{_processes(rep.get('jobs', 1))}, one GPU ({rep['env'].get('gpu', '?')}), the same shapes, CUDA graphs "
          "and a state pool larger than L2 for every kernel; bf16 activations, fp32 state, window 16, ReplaySSM "
          "replay buffers "
          f"in bf16; library at commit `{commit}`. The paper's kernels trade precision for their speed (bf16 "
          "fold operands, a bf16 residual cache; state errors 1.7e-3 to 2.6e-3 against float64); ReplaySSM "
-         "`s32_rs` stays within 5e-7. Raw: `docs/bench/peers.json`."
+         f"`s32_rs` stays within 5e-7. Raw: `{peers_json}`."
          + (f" Made by the comparison harness (a repository of its own, which carries the other projects' kernels "
             f"unchanged and drives this library through its public API): `{rep['command']}`; "
             + rep.get("checks", "the float64 checks of every preset ran in the same run "
                       "(`benchmarks/h200.py --parts correct,graph`).")
             if rep.get("command") else ""), "", peers.tables(rep)]
     readme = peers.headline(rep)
+    for other in further:
+        L += ["", same_run_section(other, first=False)[0].rstrip("\n")]
     with open(latest_json) if latest_json else contextlib.nullcontext() as f:
         measured = json.load(f) if latest_json else []
     for latest in measured if isinstance(measured, list) else [measured]:
@@ -720,9 +727,13 @@ SAME_RUN_END = "<!-- end of same-run table -->"
 
 
 def generate(sources: list, output: str, markdown: str = "-", readme: str = "-", draw: bool = True,
-             peers_json: str = "", latest_json: str = "", e2e_json: str = "", soak_json: str = "",
+             peers_json: "str | list" = "", latest_json: str = "", e2e_json: str = "", soak_json: str = "",
              trees_json: str = "") -> Table:
-    """Merge ``sources`` into OUTPUT/bench.json and write BENCHMARKS.md, the README tables, plots."""
+    """Merge ``sources`` into OUTPUT/bench.json and write BENCHMARKS.md, the README tables, plots.
+    ``peers_json``: one same-run comparison's JSON or a list of them (the first one's tables lead,
+    with ``latest_json``; the README's table is the first one's)."""
+    peers_all = [peers_json] if isinstance(peers_json, str) and peers_json else list(peers_json or [])
+    peers_json = peers_all[0] if peers_all else ""
     reports = [load(p) for p in sources]
     merged = merge(reports)
     os.makedirs(output, exist_ok=True)
@@ -731,7 +742,8 @@ def generate(sources: list, output: str, markdown: str = "-", readme: str = "-",
         f.write("\n")
     t = Table(merged)
     shown = [os.path.join(output, "bench.json")] if len(sources) > 1 else sources
-    section, same_run_readme = same_run_section(peers_json, latest_json) if peers_json else ("", "")
+    section, same_run_readme = same_run_section(peers_json, latest_json, further=peers_all[1:]) if peers_json \
+        else ("", "")
     if e2e_json:
         section += "\n" + e2e_section(e2e_json)
     if soak_json:
@@ -741,7 +753,7 @@ def generate(sources: list, output: str, markdown: str = "-", readme: str = "-",
     if markdown != "-":
         shown = [re.sub(r"\s", "", s) for s in shown]
         if peers_json:
-            shown += ["--peers", peers_json] + (["--latest", latest_json] if latest_json else [])
+            shown += ["--peers", *peers_all] + (["--latest", latest_json] if latest_json else [])
         if e2e_json:
             shown += ["--e2e", e2e_json]
         if soak_json:
@@ -768,7 +780,7 @@ def run(args) -> int:
     from ..cli import UsageError
     peers_json, latest_json, e2e_json, soak_json = (getattr(args, k, "") for k in ("peers", "latest", "e2e", "soak"))
     trees_json = getattr(args, "trees_json", "")
-    for p in args.sources + [x for x in (peers_json, latest_json, e2e_json, soak_json, trees_json) if x]:
+    for p in args.sources + list(peers_json or []) + [x for x in (latest_json, e2e_json, soak_json, trees_json) if x]:
         if not os.path.exists(p):
             raise UsageError(f"{p}: no such file")
     try:
