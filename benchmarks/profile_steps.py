@@ -1,7 +1,8 @@
-"""Run a few eager steps of each kernel at batch 256 (staggered windows), for a profiler to capture.
+"""Run a few eager steps of each kernel at batch 256 (staggered windows; ``--batch N`` first for
+another batch), for a profiler to capture.
 
     ncu --clock-control none -k regex:"step_kernel|conv_kernel" \
-        python3 benchmarks/profile_steps.py mamba2:s32_rs gdn:conv ...
+        python3 benchmarks/profile_steps.py [--batch N] mamba2:s32_rs gdn:conv ...
 
 Each argument is ``arch:preset[:mode[:shape[:T]]]`` (``conv`` = the conventional kernel; mode
 ``staggered``, the default, or ``refresh``: every slot refreshes in every step; shape as
@@ -24,11 +25,14 @@ from replayssm.geometry import DEFAULT_MODEL, GEOMETRIES
 
 def main(argv):
     dev = "cuda"
+    batch = 256
+    if argv[:1] == ["--batch"]:
+        batch, argv = int(argv[1]), argv[2:]
     gen = torch.Generator(device=dev).manual_seed(0)
     for spec in argv:
         arch, preset, mode, shape, T = (spec.split(":") + [""] * 3)[:5]
         mode, T = mode or "staggered", int(T or 1)
-        p = Problem(arch, GEOMETRIES[DEFAULT_MODEL[arch]].geometry, 256, T)
+        p = Problem(arch, GEOMETRIES[DEFAULT_MODEL[arch]].geometry, batch, T)
         prm = suite.make_params(p, dev, gen)
         inp = suite.make_inputs(p, dev, gen)
         slots = torch.arange(p.batch, device=dev)
