@@ -54,7 +54,6 @@ if "--tiny" in sys.argv:  # the conventional Triton kernel runs in Triton's inte
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch
-import torch.nn.functional as F
 
 PRESETS = ("s32_rs", "tp16_hi32", "tp8_hi32")
 PATHS = ("stock", "conv") + PRESETS
@@ -120,7 +119,6 @@ def use_conventional(p, hf_cache):
     """Replace the recurrence of every adapter of patch ``p`` by the conventional kernel, on an fp32
     state copied from ``hf_cache`` (right after the prefill)."""
     from replayssm.bench.conventional import gdn_conventional, mamba2_conventional
-    from replayssm.gdn.ops import l2norm
 
     for ad in p.adapters:
         m = ad.module
@@ -129,17 +127,16 @@ def use_conventional(p, hf_cache):
             state = rec.float().contiguous()
 
             def core(slots, x, dt, A, B, C, z, verify, _m=m, _state=state):
-                d = F.softplus(dt.float() + _m.dt_bias.float())
-                y = mamba2_conventional(_state, slots, x[:, None].contiguous(), d[:, None].contiguous(), A,
-                                        B[:, None].contiguous(), C[:, None].contiguous(), _m.D.float())[:, 0]
-                return y if z is None else y * F.silu(z.float())
+                one = lambda t: None if t is None else t[:, None].contiguous()  # noqa: E731  [b, ...] -> [b, 1, ...]
+                return mamba2_conventional(_state, slots, one(x), one(dt), A, one(B), one(C), _m.D.float(),
+                                           _m.dt_bias.float(), one(z))[:, 0]
         else:
             state = rec.float().transpose(-1, -2).contiguous()  # transformers [.., K, V] -> [.., V, K]
 
             def core(slots, q, k, v, g, beta, verify, _state=state):
                 K = q.shape[-1]
-                return gdn_conventional(_state, slots, (l2norm(q) * K ** -0.5).contiguous(), l2norm(k).contiguous(),
-                                        v.contiguous(), g.contiguous(), beta.float().contiguous())
+                return gdn_conventional(_state, slots, q.contiguous(), k.contiguous(), v.contiguous(), g.contiguous(),
+                                        beta.contiguous(), K ** -0.5)
         ad.recurrence = core
 
 

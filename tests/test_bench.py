@@ -391,6 +391,31 @@ def test_kda_conventional_kernel_and_triton_gate_against_float64():
     assert rel <= measure.gate_tolerance("s32_rs") and state_err <= 1e-5
 
 
+@pytest.mark.parametrize("arch", ["mamba2", "gdn", "kda"])
+def test_conventional_kernels_prepare_their_inputs_in_the_kernel(arch):
+    """Under the interpreter: the conventional baselines take the inputs ReplaySSM takes, raw (dt
+    before softplus and z for Mamba-2; q, k before their L2 norms, bf16 beta), and prepare them in
+    their one kernel, as a serving engine's kernel does: no PyTorch arithmetic around the launch
+    (at batch 1 such elementwise kernels cost more than the step), outputs and states equal to the
+    float64 recurrence's."""
+    from replayssm.bench import measure, suite
+
+    gen = torch.Generator().manual_seed(5)
+    p = Problem(arch, (4, 16, 32, 2) if arch == "mamba2" else (4, 16, 16, 2), 3, 1)
+    inp = suite.make_inputs(p, "cpu", gen)  # bf16 activations, as the benchmarks time them
+    prm = suite.make_params(p, "cpu", gen)
+    state = torch.randn(5, *suite.state_shape(p), generator=gen) * 0.1
+    slots = torch.tensor([4, 0, 2])
+    ref = state[slots].double()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        y = suite.conventional_call(p, state, slots, inp, prm)
+    arithmetic = ("softplus", "silu", "sigmoid", "mul", "add", "sum", "rsqrt", "div", "pow", "_to_copy")
+    assert not [e.name for e in prof.events() if any(op in e.name for op in arithmetic)]
+    yr, ref = measure.reference_step(p, ref, inp, prm, 0)
+    assert (y[:, 0].double() - yr).abs().max() <= 1e-5 * max(1.0, yr.abs().max().item())
+    assert (state[slots].double() - ref).abs().max() <= 1e-5
+
+
 @pytest.mark.parametrize("arch", ["mamba2", "gdn"])
 def test_conventional_tree_kernel_against_float64(arch):
     """Under the interpreter: the conventional tree verify (the tree baseline) writes each node's

@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._triton.decay import softplus
+
 #: Rows of a head per program and warps per program, the fastest measured on an H200 at batch
 #: 256 (94% and 91% of the copy bandwidth); a sweep sets SHAPE["override"] = (rows, warps).
 SHAPE = {"mamba2": (16, 1), "gdn": (8, 1), "kda": (8, 1)}  # KDA: GDN's, not swept on its own
@@ -30,9 +32,11 @@ def _parent_state(S, state_ptr, inter_ptr, parents_ptr, off, slot, pid_b, s: tl.
 
 
 @triton.jit
-def _mamba2_conv_kernel(state_ptr, inter_ptr, slots_ptr, parents_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr,
-                        y_ptr, H, G, T: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
-                        BV: tl.constexpr, SPEC: tl.constexpr, TREE: tl.constexpr):
+def _mamba2_conv_kernel(state_ptr, inter_ptr, slots_ptr, parents_ptr, x_ptr, dt_ptr, bias_ptr, A_ptr, B_ptr, C_ptr,
+                        D_ptr, z_ptr, y_ptr, H, G, T: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
+                        BV: tl.constexpr, SPEC: tl.constexpr, TREE: tl.constexpr, HAS_Z: tl.constexpr):
+    """Mamba-2's conventional step, its inputs prepared here as a serving engine's kernel does:
+    dt = softplus(dt + dt_bias), the output times silu(z) (HAS_Z)."""
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # row blocks fastest
     slot = tl.load(slots_ptr + pid_b).to(tl.int64)
     rv = pid_v * BV + tl.arange(0, BV)
@@ -42,9 +46,10 @@ def _mamba2_conv_kernel(state_ptr, inter_ptr, slots_ptr, parents_ptr, x_ptr, dt_
     S = tl.load(state_ptr + off)
     A = tl.load(A_ptr + head)
     D = tl.load(D_ptr + head)
+    bias = tl.load(bias_ptr + head)
     for s in tl.static_range(T):
         tok = pid_b * T + s
-        dt = tl.load(dt_ptr + tok * H + head)
+        dt = softplus(tl.load(dt_ptr + tok * H + head).to(tl.float32) + bias)
         x = tl.load(x_ptr + (tok * H + head) * DV + rv).to(tl.float32)
         Bv = tl.load(B_ptr + (tok * G + group) * DK + ck).to(tl.float32)
         Cv = tl.load(C_ptr + (tok * G + group) * DK + ck).to(tl.float32)
@@ -52,6 +57,9 @@ def _mamba2_conv_kernel(state_ptr, inter_ptr, slots_ptr, parents_ptr, x_ptr, dt_
             S = _parent_state(S, state_ptr, inter_ptr, parents_ptr, off, slot, pid_b, s, head, rv, ck, H, T, DV, DK)
         S = S * tl.exp(A * dt) + (dt * x)[:, None] * Bv[None, :]
         y = tl.sum(S * Cv[None, :], 1) + D * x
+        if HAS_Z:
+            z = tl.load(z_ptr + (tok * H + head) * DV + rv).to(tl.float32)
+            y *= z * tl.sigmoid(z)
         tl.store(y_ptr + (tok * H + head) * DV + rv, y)
         if SPEC:  # one state per draft, kept for rollback
             tl.store(inter_ptr + ((slot * T + s) * H + head) * DV * DK + rv[:, None] * DK + ck[None, :], S)
@@ -59,28 +67,32 @@ def _mamba2_conv_kernel(state_ptr, inter_ptr, slots_ptr, parents_ptr, x_ptr, dt_
         tl.store(state_ptr + off, S)
 
 
-def mamba2_conventional(state, slots, x, dt, A, B, C, D, inter=None, parents=None):
+def mamba2_conventional(state, slots, x, dt, A, B, C, D, dt_bias, z=None, inter=None, parents=None):
     """state fp32 [pool, H, P, N] updated in place (or, with ``inter`` [pool, T, H, P, N], one
-    state per draft written there); x [b, T, H, P]; dt fp32 [b, T, H] (after softplus);
-    A, D [H]; B, C [b, T, G, N]; ``parents`` int32 [b, T] (with ``inter``: a draft tree, each
-    draft's state from its parent's) or None (a chain). Returns y fp32 [b, T, H, P]."""
+    state per draft written there); x, z [b, T, H, P] (z None: no gate); dt [b, T, H] (before
+    softplus); A, D, dt_bias fp32 [H]; B, C [b, T, G, N]; ``parents`` int32 [b, T] (with
+    ``inter``: a draft tree, each draft's state from its parent's) or None (a chain); every input
+    contiguous. Returns y fp32 [b, T, H, P]: one launch, no other kernel."""
     b, T, H, P = x.shape
     N, G = state.shape[-1], B.shape[2]
     y = torch.empty(b, T, H, P, device=x.device, dtype=torch.float32)
     block_rows, warps = SHAPE.get("override", SHAPE["mamba2"])
     block_rows = min(block_rows, P)
     _mamba2_conv_kernel[(P // block_rows, H, b)](
-        state, state if inter is None else inter, slots, slots if parents is None else parents, x, dt, A, B, C, D, y,
-        H, G, T=T, DV=P, DK=N, BV=block_rows, SPEC=inter is not None, TREE=parents is not None, num_warps=warps)
+        state, state if inter is None else inter, slots, slots if parents is None else parents, x, dt, dt_bias, A, B,
+        C, D, x if z is None else z, y, H, G, T=T, DV=P, DK=N, BV=block_rows, SPEC=inter is not None,
+        TREE=parents is not None, HAS_Z=z is not None, num_warps=warps)
     return y
 
 
 @triton.jit
 def _gdn_conv_kernel(state_ptr, inter_ptr, slots_ptr, parents_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr,
-                     HV, HK, T: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
+                     scale, HV, HK, T: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, BV: tl.constexpr,
                      SPEC: tl.constexpr, TREE: tl.constexpr, PER_CHANNEL: tl.constexpr):
-    """GDN's conventional step; PER_CHANNEL (KDA): one decay per key channel, g [b, T, HV, DK], the
-    state's columns decaying by exp(g) before the delta-rule write."""
+    """GDN's conventional step, q and k L2-normalized here (flash-linear-attention's l2norm, eps
+    1e-6) and q times ``scale``, as a serving engine's kernel does; PER_CHANNEL (KDA): one decay per
+    key channel, g [b, T, HV, DK], the state's columns decaying by exp(g) before the delta-rule
+    write."""
     pid_v, head, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # row blocks fastest
     slot = tl.load(slots_ptr + pid_b).to(tl.int64)
     rv = pid_v * BV + tl.arange(0, BV)
@@ -92,12 +104,14 @@ def _gdn_conv_kernel(state_ptr, inter_ptr, slots_ptr, parents_ptr, q_ptr, k_ptr,
         tok = pid_b * T + s
         q = tl.load(q_ptr + (tok * HK + khead) * DK + ck).to(tl.float32)
         k = tl.load(k_ptr + (tok * HK + khead) * DK + ck).to(tl.float32)
+        q = q * (tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale)
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
         v = tl.load(v_ptr + (tok * HV + head) * DV + rv).to(tl.float32)
         if PER_CHANNEL:
             decay = tl.exp(tl.load(g_ptr + (tok * HV + head) * DK + ck).to(tl.float32))[None, :]
         else:
             decay = tl.exp(tl.load(g_ptr + tok * HV + head))
-        beta = tl.load(beta_ptr + tok * HV + head)
+        beta = tl.load(beta_ptr + tok * HV + head).to(tl.float32)
         if TREE:
             S = _parent_state(S, state_ptr, inter_ptr, parents_ptr, off, slot, pid_b, s, head, rv, ck, HV, T, DV, DK)
         S = S * decay
@@ -110,10 +124,11 @@ def _gdn_conv_kernel(state_ptr, inter_ptr, slots_ptr, parents_ptr, q_ptr, k_ptr,
         tl.store(state_ptr + off, S)
 
 
-def gdn_conventional(state, slots, q, k, v, g, beta, inter=None, parents=None):
+def gdn_conventional(state, slots, q, k, v, g, beta, scale, inter=None, parents=None):
     """state fp32 [pool, HV, V, K] in place (or one state per draft into ``inter``); q, k
-    [b, T, HK, K] (normalized, q scaled); v [b, T, HV, V]; g, beta fp32 [b, T, HV]; ``parents``
-    int32 [b, T] (with ``inter``: a draft tree) or None (a chain)."""
+    [b, T, HK, K] (normalized in the kernel, q times ``scale``); v [b, T, HV, V]; g fp32, beta
+    [b, T, HV]; ``parents`` int32 [b, T] (with ``inter``: a draft tree) or None (a chain); every
+    input contiguous. Returns o fp32 [b, T, HV, V]: one launch, no other kernel."""
     b, T, HV, V = v.shape
     K, HK = state.shape[-1], q.shape[2]
     o = torch.empty(b, T, HV, V, device=v.device, dtype=torch.float32)
@@ -121,23 +136,23 @@ def gdn_conventional(state, slots, q, k, v, g, beta, inter=None, parents=None):
     block_rows = min(block_rows, V)
     _gdn_conv_kernel[(V // block_rows, HV, b)](
         state, state if inter is None else inter, slots, slots if parents is None else parents, q, k, v, g, beta, o,
-        HV, HK, T=T, DV=V, DK=K, BV=block_rows, SPEC=inter is not None, TREE=parents is not None, PER_CHANNEL=False,
+        float(scale), HV, HK, T=T, DV=V, DK=K, BV=block_rows, SPEC=inter is not None, TREE=parents is not None, PER_CHANNEL=False,
         num_warps=warps)
     return o
 
 
-def kda_conventional(state, slots, q, k, v, g, beta, inter=None):
+def kda_conventional(state, slots, q, k, v, g, beta, scale, inter=None):
     """state fp32 [pool, HV, V, K] in place (or one state per draft into ``inter``); q, k
-    [b, T, HK, K] (normalized, q scaled); v [b, T, HV, V]; g [b, T, HV, K] (per-channel log
-    decay); beta fp32 [b, T, HV]. Returns o fp32 [b, T, HV, V]."""
+    [b, T, HK, K] (normalized in the kernel, q times ``scale``); v [b, T, HV, V]; g fp32
+    [b, T, HV, K] (per-channel log decay); beta [b, T, HV]; every input contiguous. Returns o fp32
+    [b, T, HV, V]."""
     b, T, HV, V = v.shape
     K, HK = state.shape[-1], q.shape[2]
     o = torch.empty(b, T, HV, V, device=v.device, dtype=torch.float32)
     block_rows, warps = SHAPE.get("override", SHAPE["kda"])
     block_rows = min(block_rows, V)
     _gdn_conv_kernel[(V // block_rows, HV, b)](
-        state, state if inter is None else inter, slots, slots, q.contiguous(), k.contiguous(), v.contiguous(),
-        g.contiguous(), beta.contiguous(), o, HV, HK, T=T, DV=V, DK=K, BV=block_rows, SPEC=inter is not None,
+        state, state if inter is None else inter, slots, slots, q, k, v, g, beta, o, float(scale), HV, HK, T=T, DV=V, DK=K, BV=block_rows, SPEC=inter is not None,
         TREE=False, PER_CHANNEL=True, num_warps=warps)
     return o
 

@@ -10,7 +10,6 @@ import math
 
 import torch
 
-from ..gdn.ops import l2norm
 from ..geometry import GEOMETRIES as _NAMED
 from ..layers import LAYERS
 from . import Problem  # noqa: F401  (re-exported)
@@ -67,14 +66,11 @@ def conventional_call(p: Problem, state, slots, inp, prm, inter=None, parents=No
     """The conventional kernel on the same inputs (prepared the same way as ReplaySSM's); with
     ``inter`` one state per draft, of a draft tree with ``parents`` int32 [b, T] (Mamba-2, GDN)."""
     if p.arch == "mamba2":
-        dt = torch.nn.functional.softplus(inp["dt"] + prm["dt_bias"])
-        y = mamba2_conventional(state, slots, inp["x"], dt, prm["A"], inp["B"], inp["C"], prm["D"], inter, parents)
-        return y * torch.nn.functional.silu(inp["z"].float())
-    K = p.dims.N
-    q, k = l2norm(inp["q"]) * K ** -0.5, l2norm(inp["k"])
-    if p.arch == "kda":
-        return kda_conventional(state, slots, q, k, inp["v"], inp["g"], inp["beta"].float(), inter)
-    return gdn_conventional(state, slots, q, k, inp["v"], inp["g"], inp["beta"].float(), inter, parents)
+        return mamba2_conventional(state, slots, inp["x"], inp["dt"], prm["A"], inp["B"], inp["C"], prm["D"],
+                                   prm["dt_bias"], inp["z"], inter, parents)
+    conventional = kda_conventional if p.arch == "kda" else gdn_conventional
+    extra = (inter,) if p.arch == "kda" else (inter, parents)
+    return conventional(state, slots, inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], p.dims.N ** -0.5, *extra)
 
 
 def pool_groups(p: Problem, state_bytes_per_elem: float = 4.0, min_bytes: int = 4 * L2_BYTES) -> int:
