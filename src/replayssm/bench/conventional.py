@@ -136,8 +136,8 @@ def gdn_conventional(state, slots, q, k, v, g, beta, scale, inter=None, parents=
     block_rows = min(block_rows, V)
     _gdn_conv_kernel[(V // block_rows, HV, b)](
         state, state if inter is None else inter, slots, slots if parents is None else parents, q, k, v, g, beta, o,
-        float(scale), HV, HK, T=T, DV=V, DK=K, BV=block_rows, SPEC=inter is not None, TREE=parents is not None, PER_CHANNEL=False,
-        num_warps=warps)
+        float(scale), HV, HK, T=T, DV=V, DK=K, BV=block_rows, SPEC=inter is not None, TREE=parents is not None,
+        PER_CHANNEL=False, num_warps=warps)
     return o
 
 
@@ -152,8 +152,8 @@ def kda_conventional(state, slots, q, k, v, g, beta, scale, inter=None):
     block_rows, warps = SHAPE.get("override", SHAPE["kda"])
     block_rows = min(block_rows, V)
     _gdn_conv_kernel[(V // block_rows, HV, b)](
-        state, state if inter is None else inter, slots, slots, q, k, v, g, beta, o, float(scale), HV, HK, T=T, DV=V, DK=K, BV=block_rows, SPEC=inter is not None,
-        TREE=False, PER_CHANNEL=True, num_warps=warps)
+        state, state if inter is None else inter, slots, slots, q, k, v, g, beta, o, float(scale), HV, HK, T=T, DV=V,
+        DK=K, BV=block_rows, SPEC=inter is not None, TREE=False, PER_CHANNEL=True, num_warps=warps)
     return o
 
 
