@@ -1,7 +1,7 @@
 """Property test over random geometries, windows and draft schedules, against the reference."""
 import random
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from helpers import S32_TOL, Tracker, make_layer
 
@@ -28,6 +28,7 @@ def geometries(draw):
 
 @settings(max_examples=15, deadline=None)
 @given(geometries(), st.integers(0, 2**16))
+@example(("mamba2", dict(nheads=1, headdim=128, dstate=128, ngroups=1), 16, 2), 193)  # outputs cancel to ~1
 def test_random_geometry(config, seed):
     arch, geom, window, max_draft = config
     layer = make_layer(arch, seed, **geom)
@@ -43,5 +44,7 @@ def test_random_geometry(config, seed):
         tr.accept([rng.randint(0, T), rng.randint(0, T)])
     tr.decode([0, 2])
     tr.check_counters([0, 2])
-    assert tr.max_rel <= S32_TOL, (config, tr.max_err, tr.max_ref)
+    # normwise: an output near zero that cancels terms of size max_ref carries their rounding, so an
+    # element's error relative to its own value is no bound (2e-5 at |y| ~ 1.7 beside |y| ~ 145)
+    assert tr.max_err <= S32_TOL * max(1.0, tr.max_ref), (config, tr.max_err, tr.max_ref)
     assert tr.state_error([0, 2]) <= S32_TOL * max(1.0, tr.max_ref)
