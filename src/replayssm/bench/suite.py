@@ -68,9 +68,10 @@ def conventional_call(p: Problem, state, slots, inp, prm, inter=None, parents=No
     if p.arch == "mamba2":
         return mamba2_conventional(state, slots, inp["x"], inp["dt"], prm["A"], inp["B"], inp["C"], prm["D"],
                                    prm["dt_bias"], inp["z"], inter, parents)
-    conventional = kda_conventional if p.arch == "kda" else gdn_conventional
-    extra = (inter,) if p.arch == "kda" else (inter, parents)
-    return conventional(state, slots, inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], p.dims.N ** -0.5, *extra)
+    tokens = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], p.dims.N ** -0.5)
+    if p.arch == "kda":
+        return kda_conventional(state, slots, *tokens, inter)
+    return gdn_conventional(state, slots, *tokens, inter, parents)
 
 
 def pool_groups(p: Problem, state_bytes_per_elem: float = 4.0, min_bytes: int = 4 * L2_BYTES) -> int:
