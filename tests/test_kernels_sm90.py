@@ -121,11 +121,11 @@ def test_steps_of_one_launch_assemble_without_spills(tmp_path):
     taken 32 columns at a time, ``gdn.triton._gram``: a whole [16, 128] tile of keys spilled 0.5
     KB). At 255 registers GDN's verify of 2 drafts may spill up to 32 bytes in its refresh branch,
     whose products take the keys as buffered (``formats.exact_b_products``; measured no slower: H100,
-    batch 1, 16.9 against 17.2 us per round with 3-pass tf32), its decode and verify of 4 drafts 8
-    bytes (the keys' norms as tensor-core products, ``window._square_norm``, took the last
-    registers), and Mamba-2's verify of 4 drafts 80 bytes (measured faster all the same,
-    ``launch.FUSED_VERIFY_MAX_T``)."""
-    allowances = {("gdn", "1"): 8, ("gdn", "2"): 32, ("gdn", "4"): 8, ("mamba2", "4"): 80}
+    batch 1, 16.9 against 17.2 us per round with 3-pass tf32), its verify of 4 drafts 8 bytes (the
+    keys' norms as tensor-core products, ``window._square_norm``, took the last registers) and its
+    decode 12 (the refresh's chunks of keys all in flight at once, ``gdn.triton._gram``: measured
+    faster, H100, batch 1, 6.9 -> 5.9 us per step with the loads issued first)."""
+    allowances = {("gdn", "1"): 12, ("gdn", "2"): 32, ("gdn", "4"): 8}
     for draft in ("1", "2", "3", "4"):
         rows = [line.split() for line in _compile_for_sm90(
             tmp_path, PTXAS_REPORT, "--arch", "mamba2,gdn", "--presets", "s32_rs", "--batch", "1", "--draft",

@@ -70,20 +70,22 @@ def after_previous_launch(PDL: tl.constexpr):
 
 
 @triton.jit
-def _copy_field(src_ptr, sb, st, sh, se, dst_ptr, pid, row, start, T: tl.constexpr, L: tl.constexpr,
-                F: tl.constexpr, F_PAD: tl.constexpr, W: tl.constexpr):
-    """dst[row, start + s, :F] = src[pid, s] for s < T: src a [b, T, F / W, W] view of strides
-    (sb, st, sh, se) (``token_strides``), dst [rows, L, F] contiguous. A token at a time, in a
-    loop that is not unrolled: a whole [T, F] tile (GDN's k: 2048 elements per token) made the
-    step kernels that run under a register cap spill."""
+def _field_at(src_ptr, sb, st, sh, se, pid, s, F: tl.constexpr, F_PAD: tl.constexpr, W: tl.constexpr):
+    """src[pid, s] [F_PAD] (zero from F on) of a [b, T, F / W, W] view of strides (sb, st, sh, se)
+    (``token_strides``)."""
     f = tl.arange(0, F_PAD)
     if sh == W * se:  # one run of F elements (a dense or packed input): no per-head index math, whose
         off = f * se  # tensors two fields of one size would share, pinning both copies to one layout
     else:
         off = (f // W) * sh + (f % W) * se
-    for s in tl.range(0, T, num_stages=1):
-        vals = tl.load(src_ptr + pid * sb + s * st + off, mask=f < F)
-        tl.store(dst_ptr + (row * L + start + s) * F + f, as_stored(vals, dst_ptr.dtype.element_ty), mask=f < F)
+    return tl.load(src_ptr + pid * sb + s * st + off, mask=f < F)
+
+
+@triton.jit
+def _store_field(vals, dst_ptr, row, at, L: tl.constexpr, F: tl.constexpr, F_PAD: tl.constexpr):
+    """dst[row, at, :F] = vals [F_PAD], dst [rows, L, F] contiguous, in its dtype."""
+    f = tl.arange(0, F_PAD)
+    tl.store(dst_ptr + (row * L + at) * F + f, as_stored(vals, dst_ptr.dtype.element_ty), mask=f < F)
 
 
 @triton.jit
@@ -113,16 +115,26 @@ def advance_row(pid_b, valid, row, start, need, first, counted, tokens_ptr, comm
             if go:
                 tl.store(done_ptr + row, 0)
         if go:
-            _copy_field(s1, s1b, s1t, s1h, s1e, d1, pid_b, row, start, T, L, F1, F1P, W1)
-            _copy_field(s2, s2b, s2t, s2h, s2e, d2, pid_b, row, start, T, L, F2, F2P, W2)
-            _copy_field(s3, s3b, s3t, s3h, s3e, d3, pid_b, row, start, T, L, F3, F3P, W3)
-            if F4 > 0:
-                _copy_field(s4, s4b, s4t, s4h, s4e, d4, pid_b, row, start, T, L, F4, F4P, W4)
+            # every load of a token issued before its stores: at batch 1 the advance is the step's
+            # tail, a round trip per load that waits on a store. A token at a time, in a loop that is
+            # not unrolled: a whole [T, F] tile (GDN's k: 2048 elements per token) made the step
+            # kernels that run under a register cap spill
+            refreshes, tokens = tl.load(refreshes_ptr + row), tl.load(tokens_ptr + row)
+            for s in tl.range(0, T, num_stages=1):
+                f1 = _field_at(s1, s1b, s1t, s1h, s1e, pid_b, s, F1, F1P, W1)
+                f2 = _field_at(s2, s2b, s2t, s2h, s2e, pid_b, s, F2, F2P, W2)
+                f3 = _field_at(s3, s3b, s3t, s3h, s3e, pid_b, s, F3, F3P, W3)
+                if F4 > 0:
+                    f4 = _field_at(s4, s4b, s4t, s4h, s4e, pid_b, s, F4, F4P, W4)
+                    _store_field(f4, d4, row, start + s, L, F4, F4P)
+                _store_field(f1, d1, row, start + s, L, F1, F1P)
+                _store_field(f2, d2, row, start + s, L, F2, F2P)
+                _store_field(f3, d3, row, start + s, L, F3, F3P)
             if need:
-                tl.store(refreshes_ptr + row, tl.load(refreshes_ptr + row) + 1)
+                tl.store(refreshes_ptr + row, refreshes + 1)
             if COMMIT:
                 tl.store(committed_ptr + row, (start + T).to(committed_ptr.dtype.element_ty))
-                tl.store(tokens_ptr + row, tl.load(tokens_ptr + row) + T)
+                tl.store(tokens_ptr + row, tokens + T)
                 tl.store(pending_ptr + row, 0)
             else:
                 tl.store(committed_ptr + row, start.to(committed_ptr.dtype.element_ty))

@@ -225,10 +225,24 @@ def new_key_query(k_ptr, skb, skt, skh, ske, q_ptr, sqb, sqt, sqh, sqe, pid_b, s
     it, fp32; its normalizing factor, 1/sqrt(k . k + 1e-6) when NORM, else 1; q fp32, L2-normalized
     when NORM). The key is taken from the value the buffer holds, so a replay
     (``window_keys``) gives the same k_scale * k bit for bit."""
+    k, q = load_key_query(k_ptr, skb, skt, skh, ske, q_ptr, sqb, sqt, sqh, sqe, pid_b, s, head, ck, DK, STORED)
+    return key_query_norms(k, q, STORED, NORM)
+
+
+@triton.jit
+def load_key_query(k_ptr, skb, skt, skh, ske, q_ptr, sqb, sqt, sqh, sqe, pid_b, s, head, ck, DK: tl.constexpr,
+                   STORED: tl.constexpr):
+    """``new_key_query``'s loads: (k as the buffer of dtype STORED will hold it, q), fp32 [len(ck)]."""
     cols = within(ck, DK)
     k = tl.load(k_ptr + pid_b * skb + s * skt + head * skh + ck * ske, mask=cols, other=0.0)
-    k = as_stored(k, STORED).to(tl.float32)
     q = tl.load(q_ptr + pid_b * sqb + s * sqt + head * sqh + ck * sqe, mask=cols, other=0.0).to(tl.float32)
+    return as_stored(k, STORED).to(tl.float32), q
+
+
+@triton.jit
+def key_query_norms(k, q, STORED: tl.constexpr, NORM: tl.constexpr):
+    """``new_key_query``'s arithmetic on ``load_key_query``'s (k, q): (k, its normalizing factor, q
+    normalized)."""
     if NORM:
         return k, 1.0 / tl.sqrt(_square_norm(k, STORED) + 1e-6), q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
     return k, 1.0, q

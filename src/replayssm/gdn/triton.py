@@ -53,8 +53,8 @@ from .._triton import launch
 from .._triton.launch import advance_row, after_previous_launch
 from .._triton.solve import unit_lower_inverse
 from .._triton.decay import ordered_row_sums, path_decays, softplus
-from .._triton.window import (ancestor_bits, draft_paths, due_slot, head_window, list_due,
-                              new_key_query, pending_tree, program_item, slot_cursor, window_key_scales,
+from .._triton.window import (ancestor_bits, draft_paths, due_slot, head_window, key_query_norms, list_due,
+                              load_key_query, new_key_query, pending_tree, program_item, slot_cursor, window_key_scales,
                               window_keys, window_raw_keys)
 from .._triton.formats import (as_query, as_stored, column, exact_b_products, global_scale_index, load_query,
                                load_read, load_tile, matvec, pin_vector_width, read_copy_from_anchor,
@@ -62,10 +62,20 @@ from .._triton.formats import (as_query, as_stored, column, exact_b_products, gl
 
 
 @triton.jit
-def _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L: tl.constexpr, LP: tl.constexpr,
-                       LEVELS: tl.constexpr):
-    """For the value heads ``vh`` [RP] (``mine``: real ones) of a slot due to refresh (h committed
-    entries), at once: ((I + M)^{-1} [RP, LP, LP], e^{c_j} [RP, LP], e^{g(j, h)} [RP, LP], e^{c_h}
+def _window_gates(bg_ptr, bbeta_ptr, row, vh, mine, h, HV, L: tl.constexpr, LP: tl.constexpr):
+    """The committed entries' log decays g and betas [RP, LP] of value heads ``vh`` [RP] (``mine``:
+    the real ones), zero from entry h on: ``_residual_inverses``' inputs, loaded before the keys'
+    products so that their round trip is not one more after them."""
+    j = tl.arange(0, LP)
+    entry = (row * L + j[None, :]) * HV + vh[:, None]  # [RP, LP]
+    ok = mine[:, None] & (j < h)[None, :]
+    return tl.load(bg_ptr + entry, mask=ok, other=0.0), tl.load(bbeta_ptr + entry, mask=ok, other=0.0)
+
+
+@triton.jit
+def _residual_inverses(g_c, beta_c, h, gram, LP: tl.constexpr, LEVELS: tl.constexpr):
+    """For the value heads of ``_window_gates``' g_c, beta_c [RP, LP] of a slot due to refresh (h
+    committed entries), at once: ((I + M)^{-1} [RP, LP, LP], e^{c_j} [RP, LP], e^{g(j, h)} [RP, LP], e^{c_h}
     [RP]), the vectors zero past h. M[j, i] = beta_j e^{g(i, j]} gram[j, i] for i < j < h is
     strictly lower triangular; (I + M)^{-1} from its diagonal blocks doubled (LEVELS = log2(LP) -
     1): a few small products instead of LP dependent substitution steps, batched over the heads
@@ -75,9 +85,6 @@ def _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L: tl.cons
     split product would lose low bits of large log decays."""
     j = tl.arange(0, LP)
     old = j < h
-    entry = (row * L + j[None, :]) * HV + vh[:, None]  # [RP, LP]
-    g_c = tl.load(bg_ptr + entry, mask=mine[:, None] & old[None, :], other=0.0)
-    beta_c = tl.load(bbeta_ptr + entry, mask=mine[:, None] & old[None, :], other=0.0)
     jr = j[None, :, None]  # row (entry j)
     ic = j[None, None, :]  # column (entry i, or the summed entry k)
     RP: tl.constexpr = g_c.shape[0]
@@ -200,11 +207,13 @@ def _gram(bk_ptr, bks_ptr, row, khead, h, HK, DK: tl.constexpr, DKP: tl.constexp
     spill."""
     KCH: tl.constexpr = 32 if DKP >= 32 else DKP
     PRECISION: tl.constexpr = "tf32x3" if bk_ptr.dtype.element_ty == tl.float32 else "tf32"
+    k_scale = window_key_scales(bks_ptr, row, khead, h, HK, L, LP)
     raw = tl.zeros((LP, LP), tl.float32)
-    for c in tl.static_range(DKP // KCH):
+    # a pipelined loop whose stages hold every chunk: their loads are issued at once instead of each
+    # after the previous chunk's product (a round trip apiece: the chain of a step at batch 1)
+    for c in tl.range(0, DKP // KCH, num_stages=DKP // KCH):
         K_c = window_raw_keys(bk_ptr, row, khead, h, c * KCH + tl.arange(0, KCH), HK, DK, L, LP).to(tl.float32)
         raw = tl.dot(K_c, tl.trans(K_c), raw, input_precision=PRECISION)
-    k_scale = window_key_scales(bks_ptr, row, khead, h, HK, L, LP)
     return raw * k_scale[:, None] * k_scale[None, :]
 
 
@@ -228,8 +237,9 @@ def _gdn_solve_kernel(slots_ptr, cursors_ptr, due_ptr, bk_ptr, bks_ptr, bg_ptr, 
         r = c + it * tl.num_programs(1)
         if r < count:
             pid_b, row, h = due_slot(due_ptr, slots_ptr, cursors_ptr, r)
+            g_c, beta_c = _window_gates(bg_ptr, bbeta_ptr, row, vh, mine, h, HV, L, LP)
             gram = _gram(bk_ptr, bks_ptr, row, khead, h, HK, DK, DKP, L, LP)
-            X, ec, es, total = _residual_inverses(bg_ptr, bbeta_ptr, row, vh, mine, h, gram, HV, L, LP, LEVELS)
+            X, ec, es, total = _residual_inverses(g_c, beta_c, h, gram, LP, LEVELS)
             base = (pid_b * HV + vh) * LP  # [RP]
             tl.store(tinv_ptr + (base[:, None, None] + j[None, None, :]) * LP + j[None, :, None], X,
                      mask=mine[:, None, None])  # [i, j] = X[j, i]
@@ -257,9 +267,10 @@ def _solve_here(bk_ptr, bks_ptr, bg_ptr, bbeta_ptr, row, khead, head, h, HK, HV,
     IEEE products, whose order no layout changes, and the keys' normalizing factors tensor-core
     products (``window._square_norm``): a 2-warp program gives the launches' anchor bits on the GPU,
     a 4-warp one other bits (``launch.FUSED_SHAPE``)."""
-    gram = _gram(bk_ptr, bks_ptr, row, khead, h, HK, DK, DKP, L, LP)
     vh = head + tl.arange(0, 1)  # one head
-    X, ec, es, total = _residual_inverses(bg_ptr, bbeta_ptr, row, vh, vh >= 0, h, gram, HV, L, LP, LEVELS)
+    g_c, beta_c = _window_gates(bg_ptr, bbeta_ptr, row, vh, vh >= 0, h, HV, L, LP)
+    gram = _gram(bk_ptr, bks_ptr, row, khead, h, HK, DK, DKP, L, LP)
+    X, ec, es, total = _residual_inverses(g_c, beta_c, h, gram, LP, LEVELS)
     return tl.trans(tl.reshape(X, (LP, LP))), tl.reshape(ec, (LP,)), tl.reshape(es, (LP,)), tl.sum(total, 0)
 
 
@@ -389,7 +400,15 @@ def _prepared_tokens(q_ptr, sqb, sqt, sqh, sqe, k_ptr, skb, skt, skh, ske, v_ptr
     ck = tl.arange(0, DKP)
     vh = head + tl.arange(0, 1)  # the program's value head, as a batch of one for the window helpers
     writer = pid_v == 0
-    gates, betas, keys, queries = (), (), (), ()
+    # loads first, the new keys and queries last: the compiler moves each layout conversion of theirs
+    # (through shared memory, behind barriers) up to its load, and at batch 1 a step is a chain of
+    # round trips, one more for every load issued after a barrier
+    values, gates, betas, loaded = (), (), (), ()
+    for s in tl.static_range(T):
+        values = values + (as_stored(tl.load(v_ptr + pid_b * svb + s * svt + head * svh + rv * sve),
+                                     bv_ptr.dtype.element_ty),)
+    K_raw = window_raw_keys(bk_ptr, row, khead, h, ck, HK, DK, L, LP)
+    K_scales = window_key_scales(bks_ptr, row, khead, h, HK, L, LP)
     for s in tl.static_range(T):
         tok = pid_b * T + s
         if GATE:
@@ -403,22 +422,27 @@ def _prepared_tokens(q_ptr, sqb, sqt, sqh, sqe, k_ptr, skb, skt, skh, ske, v_ptr
         else:
             gate = tl.load(g_ptr + pid_b * sgb + s * sgt + vh * sgh).to(tl.float32)
             beta = tl.load(beta_ptr + pid_b * sbb + s * sbt + head * sbh)
-        k, k_scale, q = new_key_query(k_ptr, skb, skt, skh, ske, q_ptr, sqb, sqt, sqh, sqe, pid_b, s, khead, ck, DK,
-                                      bk_ptr.dtype.element_ty, NORM)
+        gates = gates + (gate,)
+        betas = betas + (beta,)
+    G = head_window(bg_ptr, g_ptr, sgb, sgt, sgh, gates, row, pid_b, h, j, vh, vh >= 0, HV, T, L, True)
+    G_next = head_window(bg_ptr, g_ptr, sgb, sgt, sgh, gates, row, pid_b, h, j + 1, vh, vh >= 0, HV, T, L, True)
+    for s in tl.static_range(T):
+        loaded = loaded + (load_key_query(k_ptr, skb, skt, skh, ske, q_ptr, sqb, sqt, sqh, sqe, pid_b, s, khead, ck,
+                                          DK, bk_ptr.dtype.element_ty),)
+    keys, queries = (), ()
+    for s in tl.static_range(T):
+        tok = pid_b * T + s
+        k, k_scale, q = key_query_norms(loaded[s][0], loaded[s][1], bk_ptr.dtype.element_ty, NORM)
         tl.store(ks_ptr + tok * HK + khead, k_scale, mask=writer & (head % (HV // HK) == 0))
         k, q = k * k_scale, q * scale
         if OUTPUT_DOT:
             tl.store(kn_ptr + (tok * HK + khead) * DK + ck, k, mask=ck < DK)
             tl.store(qn_ptr + (tok * HK + khead) * DK + ck, q, mask=ck < DK)
-        gates = gates + (gate,)
-        betas = betas + (beta,)
         keys = keys + (k,)
         queries = queries + (q,)
-    K = window_keys(bk_ptr, bks_ptr, row, khead, h, ck, HK, DK, L, LP)
+    K = K_raw.to(tl.float32) * K_scales[:, None]  # ``window_keys``
     for n in tl.static_range(T):  # the new keys at positions h + n
         K = tl.where((j == h + n)[:, None], keys[n][None, :], K)
-    G = head_window(bg_ptr, g_ptr, sgb, sgt, sgh, gates, row, pid_b, h, j, vh, vh >= 0, HV, T, L, True)
-    G_next = head_window(bg_ptr, g_ptr, sgb, sgt, sgh, gates, row, pid_b, h, j + 1, vh, vh >= 0, HV, T, L, True)
     anc = ancestor_bits(parents_ptr, pid_b, valid, T) if TREE else 0
     tokens_in, gammas = (), ()
     for s in tl.static_range(T):
@@ -431,8 +455,7 @@ def _prepared_tokens(q_ptr, sqb, sqt, sqh, sqe, k_ptr, skb, skt, skh, ske, v_ptr
         if not OUTPUT_DOT:
             ka, kb = as_query(keys[s], R_FMT)
             qa, qb = as_query(queries[s], R_FMT)
-        v_s = as_stored(tl.load(v_ptr + pid_b * svb + s * svt + head * svh + rv * sve), bv_ptr.dtype.element_ty)
-        tokens_in = tokens_in + ((v_s, betas[s], to_k, to_q, ka, kb, qa, qb),)
+        tokens_in = tokens_in + ((values[s], betas[s], to_k, to_q, ka, kb, qa, qb),)
         gammas = gammas + (tl.sum(gamma, 0),)
     return tokens_in, gammas
 

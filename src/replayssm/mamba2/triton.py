@@ -247,6 +247,15 @@ def _prepared_tokens(B_ptr, sBb, sBt, sBh, sBe, C_ptr, sCb, sCt, sCh, sCe, dt_pt
     j = tl.arange(0, LP)
     ck = tl.arange(0, DKP)
     hv = head + tl.arange(0, 1)  # the program's head, as a batch of one for the window helpers
+    # the new tokens' loads first, the window's keys last: the compiler moves a layout conversion
+    # (through shared memory, behind barriers) up to its load, and at batch 1 a step is a chain of
+    # round trips, one more for every load issued after a barrier
+    queries, skips = (), ()
+    for s in tl.static_range(T):
+        queries = queries + (tl.load(C_ptr + pid_b * sCb + s * sCt + group * sCh + ck * sCe, mask=within(ck, DK),
+                                     other=0.0).to(tl.float32),)
+        skips = skips + (_skip_and_gate(x_ptr, sxb, sxt, sxh, sxe, D_ptr, sD, z_ptr, szb, szt, szh, sze, pid_b, s,
+                                        head, rv, HAS_D, HAS_Z),)
     A = tl.load(A_ptr + hv * s_A).to(tl.float32)
     steps, log_decays = (), ()
     for s in tl.static_range(T):
@@ -259,21 +268,19 @@ def _prepared_tokens(B_ptr, sBb, sBt, sBh, sBe, C_ptr, sCb, sCt, sCh, sCe, dt_pt
         steps, log_decays = steps + (d,), log_decays + (A * d,)
         tl.store(dtn_ptr + at, d, mask=pid_v == 0)
         tl.store(la_ptr + at, log_decays[s], mask=pid_v == 0)
-    K = window_rows(bB_ptr, B_ptr, sBb, sBt, sBh, sBe, row, pid_b, h, group, G, ck, DK, T, L, LP)
     LA = head_window(bla_ptr, la_ptr, 0, 0, 0, log_decays, row, pid_b, h, j, hv, hv >= 0, H, T, L, True)
     LA_next = head_window(bla_ptr, la_ptr, 0, 0, 0, log_decays, row, pid_b, h, j + 1, hv, hv >= 0, H, T, L, True)
     DT = head_window(bdt_ptr, dtn_ptr, 0, 0, 0, steps, row, pid_b, h, j, hv, hv >= 0, H, T, L, True)
+    K = window_rows(bB_ptr, B_ptr, sBb, sBt, sBh, sBe, row, pid_b, h, group, G, ck, DK, T, L, LP)
     anc = ancestor_bits(parents_ptr, pid_b, valid, T) if TREE else 0
     tokens_in = ()
     for s in tl.static_range(T):
-        q = tl.load(C_ptr + pid_b * sCb + s * sCt + group * sCh + ck * sCe, mask=within(ck, DK),
-                    other=0.0).to(tl.float32)
+        q = queries[s]
         path, path_next = draft_paths(anc, h, s, LP, TREE)  # j <= h + s for a chain
         decay, gamma = path_decays(LA, LA_next, path, path_next)
         w = tl.sum(decay * DT, 0) * tl.sum(K * q[None, :], 1)  # [LP]: the one head's
         qa, qb = as_query(q, R_FMT)
-        D, xq, zq = _skip_and_gate(x_ptr, sxb, sxt, sxh, sxe, D_ptr, sD, z_ptr, szb, szt, szh, sze, pid_b, s, head, rv,
-                                   HAS_D, HAS_Z)
+        D, xq, zq = skips[s]
         tokens_in = tokens_in + ((w, tl.sum(gamma, 0), qa, qb, D, xq, zq),)
     return tokens_in
 
@@ -325,15 +332,16 @@ def _mamba2_step_program(
         ra, rb, rsc = 0.0, 0.0, 0.0
     else:
         ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, DKP, R_FMT)
-    X = window_rows(bx_ptr, x_ptr, sxb, sxt, sxh, sxe, row, pid_b, h, head, H, rv, DV, T, L, LP)
     if FUSED:
         tl.static_assert(not OUTPUT_DOT, "a step of one launch takes its read-copy products by row reductions")
+        X = window_rows(bx_ptr, x_ptr, sxb, sxt, sxh, sxe, row, pid_b, h, head, H, rv, DV, T, L, LP)
         tokens_in = _prepared_tokens(B_ptr, sBb, sBt, sBh, sBe, C_ptr, sCb, sCt, sCh, sCe, dt_ptr, sdb, sdt, sdh,
                                      bias_ptr, s_bias, A_ptr, s_A, x_ptr, sxb, sxt, sxh, sxe, D_ptr, sD, z_ptr, szb,
                                      szt, szh, sze, bB_ptr, bdt_ptr, bla_ptr, dtn_ptr, la_ptr, parents_ptr, pid_v,
                                      pid_b, valid, row, h, head, group, rv, H, G, T, L, LP, DK, DKP, R_FMT, HAS_D,
                                      HAS_Z, HAS_BIAS, SOFTPLUS, TREE)
     else:
+        X = window_rows(bx_ptr, x_ptr, sxb, sxt, sxh, sxe, row, pid_b, h, head, H, rv, DV, T, L, LP)
         tokens_in = _token_loads(x_ptr, sxb, sxt, sxh, sxe, C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD, z_ptr, szb, szt,
                                  szh, sze, scores_ptr, gammas_ptr, pid_b, head, group, rv, H, G, T, LP, DV, DK, DKP,
                                  R_FMT, HAS_D, HAS_Z, OUTPUT_DOT)
