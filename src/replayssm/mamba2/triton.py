@@ -233,27 +233,25 @@ def _token_loads(x_ptr, sxb, sxt, sxh, sxe, C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD
 
 @triton.jit
 def _prepared_tokens(B_ptr, sBb, sBt, sBh, sBe, C_ptr, sCb, sCt, sCh, sCe, dt_ptr, sdb, sdt, sdh, bias_ptr, s_bias,
-                     A_ptr, s_A, x_ptr, sxb, sxt, sxh, sxe, D_ptr, sD, z_ptr, szb, szt, szh, sze, bB_ptr, bdt_ptr,
-                     bla_ptr, dtn_ptr, la_ptr, parents_ptr, pid_v, pid_b, valid, row, h, head, group, rv, H, G,
-                     T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
-                     R_FMT: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     SOFTPLUS: tl.constexpr, TREE: tl.constexpr):
+                     A_ptr, s_A, x_ptr, sxb, sxt, sxh, sxe, D_ptr, sD, z_ptr, szb, szt, szh, sze, bB_ptr, bx_ptr,
+                     bdt_ptr, bla_ptr, dtn_ptr, la_ptr, parents_ptr, pid_v, pid_b, valid, row, h, head, group, rv, H,
+                     G, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
+                     DKP: tl.constexpr, R_FMT: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, TREE: tl.constexpr):
     """A step of one launch (``StepShape.fused``): the scores launch's work for the program's own
     head, by the same operations (``_mamba2_scores_kernel``), from the caller's B, C [b, T, G, N],
-    dt [b, T, H] (dt_bias, softplus), A, read through their strides; returns ``_token_loads``'
-    tuple. Programs of row block 0 store the head's prepared step sizes and log decays into dtn,
+    dt [b, T, H] (dt_bias, softplus), A, read through their strides; returns ``_token_loads``' tuple
+    and the window of x rows [LP, BV] (``window.window_rows``). Programs of row block 0 store the head's prepared step sizes and log decays into dtn,
     la [b, T, H] fp32, which the batch row's advance (its last program, ``launch.advance_row``)
     copies into the buffer."""
     j = tl.arange(0, LP)
     ck = tl.arange(0, DKP)
     hv = head + tl.arange(0, 1)  # the program's head, as a batch of one for the window helpers
-    # the new tokens' loads first, the window's keys last: the compiler moves a layout conversion
-    # (through shared memory, behind barriers) up to its load, and at batch 1 a step is a chain of
-    # round trips, one more for every load issued after a barrier
-    queries, skips = (), ()
+    # the queries last: the compiler moves a layout conversion (through shared memory, behind
+    # barriers) up to its load, and at batch 1 a step is a chain of round trips, one more for every
+    # load issued after a barrier
+    skips = ()
     for s in tl.static_range(T):
-        queries = queries + (tl.load(C_ptr + pid_b * sCb + s * sCt + group * sCh + ck * sCe, mask=within(ck, DK),
-                                     other=0.0).to(tl.float32),)
         skips = skips + (_skip_and_gate(x_ptr, sxb, sxt, sxh, sxe, D_ptr, sD, z_ptr, szb, szt, szh, sze, pid_b, s,
                                         head, rv, HAS_D, HAS_Z),)
     A = tl.load(A_ptr + hv * s_A).to(tl.float32)
@@ -272,6 +270,11 @@ def _prepared_tokens(B_ptr, sBb, sBt, sBh, sBe, C_ptr, sCb, sCt, sCh, sCe, dt_pt
     LA_next = head_window(bla_ptr, la_ptr, 0, 0, 0, log_decays, row, pid_b, h, j + 1, hv, hv >= 0, H, T, L, True)
     DT = head_window(bdt_ptr, dtn_ptr, 0, 0, 0, steps, row, pid_b, h, j, hv, hv >= 0, H, T, L, True)
     K = window_rows(bB_ptr, B_ptr, sBb, sBt, sBh, sBe, row, pid_b, h, group, G, ck, DK, T, L, LP)
+    X = window_rows(bx_ptr, x_ptr, sxb, sxt, sxh, sxe, row, pid_b, h, head, H, rv, DV, T, L, LP)
+    queries = ()
+    for s in tl.static_range(T):
+        queries = queries + (tl.load(C_ptr + pid_b * sCb + s * sCt + group * sCh + ck * sCe, mask=within(ck, DK),
+                                     other=0.0).to(tl.float32),)
     anc = ancestor_bits(parents_ptr, pid_b, valid, T) if TREE else 0
     tokens_in = ()
     for s in tl.static_range(T):
@@ -282,7 +285,7 @@ def _prepared_tokens(B_ptr, sBb, sBt, sBh, sBe, C_ptr, sCb, sCt, sCh, sCe, dt_pt
         qa, qb = as_query(q, R_FMT)
         D, xq, zq = skips[s]
         tokens_in = tokens_in + ((w, tl.sum(gamma, 0), qa, qb, D, xq, zq),)
-    return tokens_in
+    return tokens_in, X
 
 
 @triton.jit
@@ -334,12 +337,11 @@ def _mamba2_step_program(
         ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, DKP, R_FMT)
     if FUSED:
         tl.static_assert(not OUTPUT_DOT, "a step of one launch takes its read-copy products by row reductions")
-        X = window_rows(bx_ptr, x_ptr, sxb, sxt, sxh, sxe, row, pid_b, h, head, H, rv, DV, T, L, LP)
-        tokens_in = _prepared_tokens(B_ptr, sBb, sBt, sBh, sBe, C_ptr, sCb, sCt, sCh, sCe, dt_ptr, sdb, sdt, sdh,
-                                     bias_ptr, s_bias, A_ptr, s_A, x_ptr, sxb, sxt, sxh, sxe, D_ptr, sD, z_ptr, szb,
-                                     szt, szh, sze, bB_ptr, bdt_ptr, bla_ptr, dtn_ptr, la_ptr, parents_ptr, pid_v,
-                                     pid_b, valid, row, h, head, group, rv, H, G, T, L, LP, DK, DKP, R_FMT, HAS_D,
-                                     HAS_Z, HAS_BIAS, SOFTPLUS, TREE)
+        tokens_in, X = _prepared_tokens(B_ptr, sBb, sBt, sBh, sBe, C_ptr, sCb, sCt, sCh, sCe, dt_ptr, sdb, sdt, sdh,
+                                        bias_ptr, s_bias, A_ptr, s_A, x_ptr, sxb, sxt, sxh, sxe, D_ptr, sD, z_ptr,
+                                        szb, szt, szh, sze, bB_ptr, bx_ptr, bdt_ptr, bla_ptr, dtn_ptr, la_ptr,
+                                        parents_ptr, pid_v, pid_b, valid, row, h, head, group, rv, H, G, T, L, LP,
+                                        DV, DK, DKP, R_FMT, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, TREE)
     else:
         X = window_rows(bx_ptr, x_ptr, sxb, sxt, sxh, sxe, row, pid_b, h, head, H, rv, DV, T, L, LP)
         tokens_in = _token_loads(x_ptr, sxb, sxt, sxh, sxe, C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD, z_ptr, szb, szt,
