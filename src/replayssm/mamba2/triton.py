@@ -241,9 +241,9 @@ def _prepared_tokens(B_ptr, sBb, sBt, sBh, sBe, C_ptr, sCb, sCt, sCh, sCe, dt_pt
     """A step of one launch (``StepShape.fused``): the scores launch's work for the program's own
     head, by the same operations (``_mamba2_scores_kernel``), from the caller's B, C [b, T, G, N],
     dt [b, T, H] (dt_bias, softplus), A, read through their strides; returns ``_token_loads``' tuple
-    and the window of x rows [LP, BV] (``window.window_rows``). Programs of row block 0 store the head's prepared step sizes and log decays into dtn,
-    la [b, T, H] fp32, which the batch row's advance (its last program, ``launch.advance_row``)
-    copies into the buffer."""
+    and the window of x rows [LP, BV] (``window.window_rows``). Programs of row block 0 store the
+    head's prepared step sizes and log decays into dtn, la [b, T, H] fp32, which the batch row's
+    advance (its last program, ``launch.advance_row``) copies into the buffer."""
     j = tl.arange(0, LP)
     ck = tl.arange(0, DKP)
     hv = head + tl.arange(0, 1)  # the program's head, as a batch of one for the window helpers
