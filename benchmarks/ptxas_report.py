@@ -127,7 +127,7 @@ def assemble(kernel, args, kwargs) -> dict:
     sass = subprocess.run([NVDISASM, f.name], capture_output=True, text=True, check=True).stdout
     os.unlink(f.name)
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
-    return {"shared": compiled.metadata.shared, "registers": grab(r"Used (\d+) registers"),
+    return {"shared": compiled.metadata.shared, "registers": grab(r"Used (\d+) registers"), "listing": sass,
             "spill_stores": grab(r"(\d+) bytes spill stores"), "spill_loads": grab(r"(\d+) bytes spill loads"),
             "stack": grab(r"(\d+) bytes stack frame"), "sass": len(ops),
             "shfl": sum(op.startswith("SHFL") for op in ops)}
@@ -170,6 +170,8 @@ def main(argv=None):
     ap.add_argument("--dims", metavar="DV,DK", help="head dims in place of the real geometries' (e.g. 24,48)")
     ap.add_argument("--activations", default="bf16", choices=("bf16", "fp16", "fp32"),
                     help="dtype of the per-token inputs (the benchmarks pass bf16)")
+    ap.add_argument("--sass", metavar="DIR",
+                    help="also write each step kernel's machine code (nvdisasm) to DIR/<arch>_<preset>_<shape>_T<draft>.sass")
     ap.add_argument("--batch", type=int, default=256,
                     help="the batch whose default launches to compile (steps are recorded on two slots)")
     args = ap.parse_args(argv)
@@ -202,6 +204,10 @@ def main(argv=None):
                             f.write("\n".join(instructions(compile_sm90(kernel, a, kw))) + "\n")
                         continue
                     res = assemble(kernel, a, kw)
+                    if args.sass and label.endswith("step_kernel"):
+                        os.makedirs(args.sass, exist_ok=True)
+                        with open(os.path.join(args.sass, f"{arch}_{preset}_{shape}_T{args.draft}.sass"), "w") as f:
+                            f.write(res["listing"])
                     shown = f"{kw.get('BV', kw.get('FR', '-'))}x{kw.get('num_warps', 4)}"
                     print(f"{arch:7s} {preset:12s} {shown:8s} {label:24s} {res['registers']:4d} "
                           f"{res['spill_stores']:5d}/{res['spill_loads']:<5d} {res['stack']:5d} {res['shared']:6d} "
