@@ -171,7 +171,8 @@ def main(argv=None):
     ap.add_argument("--activations", default="bf16", choices=("bf16", "fp16", "fp32"),
                     help="dtype of the per-token inputs (the benchmarks pass bf16)")
     ap.add_argument("--sass", metavar="DIR",
-                    help="also write each step kernel's machine code (nvdisasm) to DIR/<arch>_<preset>_<shape>_T<draft>.sass")
+                    help="also write each step kernel's machine code (nvdisasm) to "
+                         "DIR/<arch>_<preset>_<shape>_T<draft>.sass")
     ap.add_argument("--batch", type=int, default=256,
                     help="the batch whose default launches to compile (steps are recorded on two slots)")
     args = ap.parse_args(argv)
