@@ -440,7 +440,7 @@ def _prepared_tokens(q_ptr, sqb, sqt, sqh, sqe, k_ptr, skb, skt, skh, ske, v_ptr
             tl.store(qn_ptr + (tok * HK + khead) * DK + ck, q, mask=ck < DK)
         keys = keys + (k,)
         queries = queries + (q,)
-    K = K_raw.to(tl.float32) * K_scales[:, None]  # ``window_keys``
+    K = K_raw.to(tl.float32) * K_scales[:, None]  # ``window_keys``, its loads issued above and held 16-bit
     for n in tl.static_range(T):  # the new keys at positions h + n
         K = tl.where((j == h + n)[:, None], keys[n][None, :], K)
     anc = ancestor_bits(parents_ptr, pid_b, valid, T) if TREE else 0
