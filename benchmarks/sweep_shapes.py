@@ -64,7 +64,7 @@ def main():
             launch.TUNING.clear()
         for T in map(int, args.drafts.split(",")):
             p = Problem(arch, dims, args.batch, T)
-            for shape in args.conv_shapes.split(","):
+            for shape in filter(None, args.conv_shapes.split(",")):  # "" times none
                 rows, warps = map(int, shape.split("x"))
                 conventional.SHAPE["override"] = (rows, warps)
                 (us, sp), _ = bench_one(p, None)
