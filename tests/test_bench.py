@@ -234,6 +234,17 @@ def test_same_run_tables_from_the_comparison_json(tmp_path):
     assert peers.ratios(rep, "gdn", "qwen3.5-122b(HV64)", 256) == {"s32_rs": 0.8}
     text = peers.tables(rep)
     assert "| ReplaySSM `s32_rs` | staggered | 200.0 · 2.50× |" in text and "190.0" not in text
+    # with the run's copy ceiling, the bytes each step moves by the traffic model, beside the time
+    sizes = [dict(conv_state_bytes_per_step=2 ** 31), dict(rs_state_bytes=1.2e9),
+             dict(bytes_per_slot={"anchor": 4194304, "read_copy": 0, "buffer": 861184}, L=16), {}]
+    path.write_text(json.dumps({"env": {"gpu": "stub"}, "results": [dict(r, **x) for r, x in zip(rows, sizes)],
+                                "hbm": {"d2d_copy_4GiB": {"GBps": 4000.0}}}))
+    text = peers.tables(peers.load(str(path)))
+    # s32_rs, staggered: 15/16 of the slots read the 4 MiB anchor, 1/16 read and write it, every
+    # slot reads 8.5 of its buffer's 16 entries on average: 256 x 4913952 B, at 200 us 157% of 4 TB/s
+    assert "| ReplaySSM `s32_rs` | staggered | 200.0 · 2.50× | 1258 · 157% |" in text
+    assert "| vLLM packed GDN decode | – | 500.0 · 1.00× | 2147 · 107% |" in text
+    assert "| paper's ReplaySSM kernel | staggered | 250.0 · 2.00× | 1200 · 120% |" in text
     readme = tmp_path / "README.md"
     readme.write_text(f"x\n{report.README_START}\nold\n{report.README_END}\n{report.SAME_RUN_START}\nold\n"
                       f"{report.SAME_RUN_END}\ny\n")

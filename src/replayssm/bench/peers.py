@@ -43,6 +43,22 @@ def _index(report: dict) -> dict:
             if r.get("us_per_step") is not None and r.get("finite", True)}
 
 
+def step_bytes(row: dict) -> float | None:
+    """Bytes a timed step moves by a traffic model: the conventional kernels read and write every
+    state (one per draft for verify), the paper's kernels as the comparison harness models them,
+    this library's from its storage formats (``suite.replay_bytes``: staggered windows, the
+    accepted tokens' share of the slots refreshing); None where the row carries no sizes."""
+    if row["kernel"].startswith(("rs_lib_m2_", "rs_lib_gdn_")) and "bytes_per_slot" in row:
+        from .suite import replay_bytes
+
+        spec = row["mode"].startswith("spec")
+        T = int(row["mode"].split("T=")[1].split()[0]) if spec else 1
+        accepted = int(row["mode"].split("acc=")[1].split()[0]) if spec else 1
+        window = row.get("L") or 16
+        return replay_bytes(row["bytes_per_slot"], row["B"], T, window, accepted / window)
+    return row.get("rs_state_bytes") or row.get("conv_state_bytes_per_step")
+
+
 def _models(report: dict, arch: str) -> list[str]:
     prefix = LAYERS[arch][4]
     return sorted({r["model"] for r in report["results"] if r["kernel"].startswith(prefix)})
@@ -58,10 +74,13 @@ def _cell(us, base):
     return f"{us:.1f}" if base is None else f"{us:.1f} · {base / us:.2f}×"
 
 
-def _rows(report, arch, model, batches, spec_accept=None):
+def _rows(report, arch, model, batches, spec_accept=None, ceiling=None):
     """Markdown rows [kernel, mode, cells...] of one model: decode, or speculative rounds of T = 4
-    with ``spec_accept`` drafts accepted; × = the conventional baseline's time / this one's."""
+    with ``spec_accept`` drafts accepted; × = the conventional baseline's time / this one's. With
+    ``ceiling`` (the run's copy bandwidth, bytes/s) a last cell at the largest batch: MB per step
+    (``step_bytes``) and their rate's share of the ceiling."""
     idx = _index(report)
+    sized = {(r["kernel"], r["model"], r["mode"], r["B"]): step_bytes(r) for r in report["results"]}
     title, conv, others, (paper, paper_stag, paper_align), ours, conv_spec, paper_spec, ours_spec = LAYERS[arch]
     if spec_accept is None:
         base_key = (conv, "decode")
@@ -83,7 +102,12 @@ def _rows(report, arch, model, batches, spec_accept=None):
         if all(c is None for c in cells):
             continue
         name = NAMES.get(kernel) or f"ReplaySSM `{kernel.split('[')[1].rstrip(']')}`"
-        rows.append([name, _windows(kernel, mode), *(_cell(c, base[B]) for c, B in zip(cells, batches))])
+        row = [name, _windows(kernel, mode), *(_cell(c, base[B]) for c, B in zip(cells, batches))]
+        if ceiling:
+            nbytes, us = sized.get((kernel, model, mode, batches[-1])), cells[-1]
+            row.append("–" if nbytes is None or us is None else
+                       f"{nbytes / 1e6:.0f} · {100 * nbytes / (us * 1e-6) / ceiling:.0f}%")
+        rows.append(row)
     return rows
 
 
@@ -128,6 +152,8 @@ def tables(report: dict) -> str:
     verify of 4 drafts, all accepted (the JSON has the aligned windows, 2 accepted and other models)."""
     batches = _batches(report)
     env = report.get("env", {})
+    copy = report.get("hbm", {}).get("d2d_copy_4GiB", {}).get("GBps")
+    ceiling = copy * 1e9 if copy else None
     parts = []
     for arch in LAYERS:
         models = _models(report, arch)
@@ -135,16 +161,21 @@ def tables(report: dict) -> str:
             continue
         model, title = _largest(models), LAYERS[arch][0]
         head = ["kernel", "windows", *(f"B={B}: µs · ×" for B in batches)]
+        head += [f"B={batches[-1]}: MB per step · % of copy ceiling"] if ceiling else []
         for acc in (None, 4):
-            rows = [r for r in _rows(report, arch, model, batches, acc) if r[1] != "aligned"]
+            rows = [r for r in _rows(report, arch, model, batches, acc, ceiling) if r[1] != "aligned"]
             what = "decode" if acc is None else "verify of 4 drafts, all accepted (per round)"
             if rows:
                 parts.append(f"### {title}, {model}: {what}\n\n" + _md(head, rows))
     note = ("µs per step (per round for verify) · × = the vLLM conventional kernel's time / this one's. "
             f"GPU: {env.get('gpu', '?')}, torch {env.get('torch', '?')}, triton {env.get('triton', '?')}.")
-    copy = report.get("hbm", {}).get("d2d_copy_4GiB", {}).get("GBps")
     if copy:  # what a kernel that reads and writes every byte once can reach on this GPU
-        note += f" The GPU's copy ceiling in the same run: {copy / 1000:.2f} TB/s (a 4 GiB device-to-device copy)."
+        note += (f" The GPU's copy ceiling in the same run: {copy / 1000:.2f} TB/s (a 4 GiB device-to-device copy)."
+                 " MB per step: the bytes a step moves by a traffic model (the conventional kernels read and write"
+                 " every state, one per draft for verify; the paper's kernels as the comparison harness models"
+                 " them; ReplaySSM's from its storage formats: the read copy every step, the anchor read and"
+                 " written by the refreshing share of the slots, the replay buffer at its average occupancy), and"
+                 " their rate at the measured time as a share of the copy ceiling.")
     return "\n\n".join(parts) + "\n\n" + note + "\n"
 
 

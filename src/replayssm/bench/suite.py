@@ -136,23 +136,25 @@ def copy_bandwidth(nbytes: int = 2**30) -> float:
     return 2 * nbytes / (best * 1e-6)
 
 
-def traffic(p: Problem, cache, window: int, refresh_fraction: float) -> dict:
-    """Bytes per step (state traffic) from the storage formats.
-
-    conventional: read + write the fp32 state. ReplaySSM: read the read copy on non-refresh
-    steps; on a refresh step read the anchor, write anchor and read copy (outputs come from
-    registers). Buffer reads: on average (L-1)/2 committed entries per step.
-    """
-    n = p.batch * p.state_elems
-    per = cache.bytes_per_slot()
-    A, R = per["anchor"], per["read_copy"] or per["anchor"]
-    write_read = per["read_copy"]
-    buf_entry = per["buffer"] / window
+def replay_bytes(per_slot: dict, batch: int, T: int, window: int, refresh_fraction: float) -> float:
+    """Bytes per ReplaySSM step of T tokens over ``batch`` slots from the storage formats (a cache's
+    ``bytes_per_slot``): the read copy read by the slots that do not refresh; a refreshing slot (a
+    ``refresh_fraction`` of them) reads the anchor and writes anchor and read copy (its outputs
+    from registers); every slot reads (L-1)/2 committed entries of its buffer on average, and
+    writes T."""
+    A, R = per_slot["anchor"], per_slot["read_copy"] or per_slot["anchor"]
     f = refresh_fraction
-    T = p.T
-    ours = p.batch * ((1 - f) * R + f * (A + A + write_read) + buf_entry * ((window - 1) / 2 + T))
-    conv = n * 4 * (1 + T) if T > 1 else n * 8
-    return {"conventional": conv, "replay": ours}
+    return batch * ((1 - f) * R + f * (A + A + per_slot["read_copy"])
+                    + per_slot["buffer"] / window * ((window - 1) / 2 + T))
+
+
+def traffic(p: Problem, cache, window: int, refresh_fraction: float) -> dict:
+    """Bytes per step (state traffic): the conventional kernel reads and writes the fp32 state
+    (verify: one state per draft); ReplaySSM's from its storage formats (``replay_bytes``)."""
+    n = p.batch * p.state_elems
+    conv = n * 4 * (1 + p.T) if p.T > 1 else n * 8
+    return {"conventional": conv,
+            "replay": replay_bytes(cache.bytes_per_slot(), p.batch, p.T, window, refresh_fraction)}
 
 
 def baseline_available(name: str, arch: str | None = None) -> str | None:
