@@ -79,59 +79,66 @@ def _mamba2_scores_kernel(slots_ptr, committed_ptr, cursors_ptr, bB_ptr, bdt_ptr
     (committed + new, zero elsewhere) and gammas[b, head, s] = gamma_t, the decay from the
     checkpoint to t = h + s: the step launch's programs, several per head, share them instead of
     each summing them; and for a slot due to refresh, each head's fold weights w_j = gamma_{j+1:h}
-    dt_j [b, H, LP] (zero past h) and history decay gamma_{1:h} [b, H]. DUE_CH > 0: program (0, 0)
-    also lists the slots due for a refresh launch of its own (``window.list_due``). TREE: the batch
-    row's draft tree, ``parents`` [b, T]: draft s's weights and decay run along its own path (its
-    ancestors, ``window.draft_view``), so the step launch needs no tree of its own; the slot's
-    pending tree goes into ``cache.draft_gaps`` (``window.pending_tree``). The caller's B, C, dt,
-    dt_bias and A are read through their strides (s*: ``launch.token_strides``,
-    ``launch.head_stride``)."""
+    dt_j [b, H, LP] (zero past h) and history decay gamma_{1:h} [b, H]. DUE_CH > 0: the grid has
+    one more row of programs, b, whose first lists the slots due (``window.list_due``) beside the
+    others' work, for the launches that read the list. TREE: the batch row's draft tree,
+    ``parents`` [b, T]: draft s's weights and decay run along its own path (its ancestors,
+    ``window.draft_view``), so the step launch needs no tree of its own; the slot's pending tree
+    goes into ``cache.draft_gaps`` (``window.pending_tree``). The caller's B, C, dt, dt_bias and A
+    are read through their strides (s*: ``launch.token_strides``, ``launch.head_stride``)."""
     after_previous_launch(PDL)
     pid_b, group = tl.program_id(0), tl.program_id(1)
-    if DUE_CH > 0:
-        if (pid_b == 0) & (group == 0):
+    if pid_b == B:  # the grid's extra row (DUE_CH > 0): its first program lists the slots due
+        if group == 0:
             list_due(slots_ptr, committed_ptr, due_ptr, B, T, L, DUE_CH, DUE_PASSES)
-    heads = group * (H // G) + tl.arange(0, HG)
-    mine = tl.arange(0, HG) < H // G
-    A = tl.load(A_ptr + heads * s_A, mask=mine, other=0.0).to(tl.float32)
-    steps, log_decays = (), ()
-    for s in tl.static_range(T):
-        at = (pid_b * T + s) * H + heads
-        d = tl.load(dt_ptr + pid_b * sdb + s * sdt + heads * sdh, mask=mine, other=0.0).to(tl.float32)
-        if HAS_BIAS:
-            d += tl.load(bias_ptr + heads * s_bias, mask=mine, other=0.0).to(tl.float32)
-        if SOFTPLUS:
-            d = softplus(d)
-        steps, log_decays = steps + (d,), log_decays + (A * d,)
-        tl.store(dtn_ptr + at, d, mask=mine)
-        tl.store(la_ptr + at, log_decays[s], mask=mine)
-    valid, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
-    if group == 0:
-        tl.store(cursors_ptr + pid_b, h)
-        if TREE:
-            pending_tree(parents_ptr, gaps_ptr, pid_b, valid, row, T, MAXD)
-    j = tl.arange(0, LP)
-    if need:  # the refresh's per-token scalars of the group's heads
-        w, decay = _fold_weights(bla_ptr, bdt_ptr, row, heads, mine, h, H, L, LP)
-        tl.store(fold_w_ptr + (pid_b * H + heads[:, None]) * LP + j[None, :], w, mask=mine[:, None])
-        tl.store(fold_decay_ptr + pid_b * H + heads, decay, mask=mine)
-    h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
-    ck = tl.arange(0, DKP)  # columns from DK on are zero
-    K = window_rows(bB_ptr, B_ptr, sBb, sBt, sBh, sBe, row, pid_b, h, group, G, ck, DK, T, L, LP)
-    # the group's heads' log decays and step sizes over the window [HG, LP], the decays one entry on too
-    LA = head_window(bla_ptr, la_ptr, 0, 0, 0, log_decays, row, pid_b, h, j, heads, mine, H, T, L, True)
-    LA_next = head_window(bla_ptr, la_ptr, 0, 0, 0, log_decays, row, pid_b, h, j + 1, heads, mine, H, T, L, True)
-    DT = head_window(bdt_ptr, dtn_ptr, 0, 0, 0, steps, row, pid_b, h, j, heads, mine, H, T, L, True)
-    anc = ancestor_bits(parents_ptr, pid_b, valid, T) if TREE else 0
-    for s in tl.static_range(T):
-        q = tl.load(C_ptr + pid_b * sCb + s * sCt + group * sCh + ck * sCe, mask=within(ck, DK),
-                    other=0.0).to(tl.float32)
-        path, path_next = draft_paths(anc, h, s, LP, TREE)  # j <= h + s for a chain
-        decay, gamma = path_decays(LA, LA_next, path, path_next)
-        at = (pid_b * H + heads) * T + s  # [HG]
-        tl.store(scores_ptr + at[:, None] * LP + j[None, :], decay * DT * tl.sum(K * q[None, :], 1)[None, :],
-                 mask=mine[:, None])
-        tl.store(gammas_ptr + at, gamma, mask=mine)
+    else:
+        heads = group * (H // G) + tl.arange(0, HG)
+        mine = tl.arange(0, HG) < H // G
+        ck = tl.arange(0, DKP)  # columns from DK on are zero
+        # the loads that wait for nothing first, then the slot's: a load written after a store waits
+        # for it (they may alias), and the slot id, its committed count and its window are a chain
+        A = tl.load(A_ptr + heads * s_A, mask=mine, other=0.0).to(tl.float32)
+        raw, queries = (), ()
+        for s in tl.static_range(T):
+            d = tl.load(dt_ptr + pid_b * sdb + s * sdt + heads * sdh, mask=mine, other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                d += tl.load(bias_ptr + heads * s_bias, mask=mine, other=0.0).to(tl.float32)
+            raw = raw + (d,)
+            queries = queries + (tl.load(C_ptr + pid_b * sCb + s * sCt + group * sCh + ck * sCe, mask=within(ck, DK),
+                                         other=0.0).to(tl.float32),)
+        valid, row, h, need = slot_cursor(slots_ptr, committed_ptr, pid_b, SCRATCH, T, L)
+        steps, log_decays = (), ()
+        for s in tl.static_range(T):
+            at = (pid_b * T + s) * H + heads
+            d = raw[s]
+            if SOFTPLUS:
+                d = softplus(d)
+            steps, log_decays = steps + (d,), log_decays + (A * d,)
+            tl.store(dtn_ptr + at, d, mask=mine)
+            tl.store(la_ptr + at, log_decays[s], mask=mine)
+        if group == 0:
+            tl.store(cursors_ptr + pid_b, h)
+            if TREE:
+                pending_tree(parents_ptr, gaps_ptr, pid_b, valid, row, T, MAXD)
+        j = tl.arange(0, LP)
+        if need:  # the refresh's per-token scalars of the group's heads
+            w, decay = _fold_weights(bla_ptr, bdt_ptr, row, heads, mine, h, H, L, LP)
+            tl.store(fold_w_ptr + (pid_b * H + heads[:, None]) * LP + j[None, :], w, mask=mine[:, None])
+            tl.store(fold_decay_ptr + pid_b * H + heads, decay, mask=mine)
+        h = tl.where(need, 0, h)  # a refreshing slot sees only its new tokens
+        K = window_rows(bB_ptr, B_ptr, sBb, sBt, sBh, sBe, row, pid_b, h, group, G, ck, DK, T, L, LP)
+        # the group's heads' log decays and step sizes over the window [HG, LP], the decays one entry on too
+        LA = head_window(bla_ptr, la_ptr, 0, 0, 0, log_decays, row, pid_b, h, j, heads, mine, H, T, L, True)
+        LA_next = head_window(bla_ptr, la_ptr, 0, 0, 0, log_decays, row, pid_b, h, j + 1, heads, mine, H, T, L, True)
+        DT = head_window(bdt_ptr, dtn_ptr, 0, 0, 0, steps, row, pid_b, h, j, heads, mine, H, T, L, True)
+        anc = ancestor_bits(parents_ptr, pid_b, valid, T) if TREE else 0
+        for s in tl.static_range(T):
+            path, path_next = draft_paths(anc, h, s, LP, TREE)  # j <= h + s for a chain
+            decay, gamma = path_decays(LA, LA_next, path, path_next)
+            at = (pid_b * H + heads) * T + s  # [HG]
+            weights = decay * DT * tl.sum(K * queries[s][None, :], 1)[None, :]
+            tl.store(scores_ptr + at[:, None] * LP + j[None, :], weights, mask=mine[:, None])
+            tl.store(gammas_ptr + at, gamma, mask=mine)
 
 
 @triton.jit
@@ -485,8 +492,8 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     fold_decay = torch.empty(b, H, dtype=torch.float32, device=dev)
     listed = shape.split or shape.beside or shape.due_first  # a launch reads the list of slots due
     due = torch.empty(b + 1 if listed else 1, dtype=torch.int32, device=dev)
-    launch.run(_mamba2_scores_kernel, (b, G), slots, cache.committed, cursors, buf["B"], buf["dt"], buf["log_alpha"],
-               B, *strides(B), C, *strides(C), scores, fold_w, fold_decay, dt_in, *strides(dt_in)[:3],
+    launch.run(_mamba2_scores_kernel, (b + listed, G), slots, cache.committed, cursors, buf["B"], buf["dt"],
+               buf["log_alpha"], B, *strides(B), C, *strides(C), scores, fold_w, fold_decay, dt_in, *strides(dt_in)[:3],
                A if dt_bias is None else dt_bias, launch.head_stride(dt_bias), A, launch.head_stride(A), dt,
                log_alpha, gammas, due, tree, cache.draft_gaps, cache.scratch_row, b, H, G, T=T,
                L=cache.window, LP=LP, DK=N, DKP=DKP, HG=triton.next_power_of_2(H // G), num_warps=shape.scores_warps,
