@@ -492,7 +492,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     fold_decay = torch.empty(b, H, dtype=torch.float32, device=dev)
     listed = shape.split or shape.beside or shape.due_first  # a launch reads the list of slots due
     due = torch.empty(b + 1 if listed else 1, dtype=torch.int32, device=dev)
-    launch.run(_mamba2_scores_kernel, (b + listed, G), slots, cache.committed, cursors, buf["B"], buf["dt"],
+    launch.run(_mamba2_scores_kernel, (b + 1 if listed else b, G), slots, cache.committed, cursors, buf["B"], buf["dt"],
                buf["log_alpha"], B, *strides(B), C, *strides(C), scores, fold_w, fold_decay, dt_in, *strides(dt_in)[:3],
                A if dt_bias is None else dt_bias, launch.head_stride(dt_bias), A, launch.head_stride(A), dt,
                log_alpha, gammas, due, tree, cache.draft_gaps, cache.scratch_row, b, H, G, T=T,
