@@ -179,13 +179,13 @@ def _move_entries(buf_ptr, row, h, src, moved, c, W: tl.constexpr, WP: tl.conste
 
 
 @triton.jit
-def compact_kernel(slots_ptr, accepted_ptr, committed_ptr, pending_ptr, path_ptr, f0, f1, f2, f3, f4, f5, f6,
+def compact_kernel(slots_ptr, accepted_ptr, committed_ptr, pending_ptr, path_ptr, f0, f1, f2, f3, f4, f5,
                    W: tl.constexpr, WP: tl.constexpr, L: tl.constexpr, F0: tl.constexpr, F1: tl.constexpr,
-                   F2: tl.constexpr, F3: tl.constexpr, F4: tl.constexpr, F5: tl.constexpr, F6: tl.constexpr,
-                   CH: tl.constexpr, PDL: tl.constexpr):
+                   F2: tl.constexpr, F3: tl.constexpr, F4: tl.constexpr, F5: tl.constexpr, CH: tl.constexpr,
+                   PDL: tl.constexpr):
     """The first half of ``cache.accept`` with a path (int [b, W]), before ``accept_kernel``:
     program (batch row, c) copies elements c CH .. (c + 1) CH of every buffer field's entries
-    (f0 .. f6 [rows, L, F_i], F_i = 0: no field) of the accepted drafts, window positions h +
+    (f0 .. f5 [rows, L, F_i], F_i = 0: no field) of the accepted drafts, window positions h +
     path[n] -> h + n for n < the accepted count clamped to [0, pending] and to W, the columns with
     path[n] = n left alone. Path entries are clamped to the pending drafts, so unchecked values
     never reach outside the slot's window. Pads are skipped."""
@@ -213,8 +213,6 @@ def compact_kernel(slots_ptr, accepted_ptr, committed_ptr, pending_ptr, path_ptr
             _move_entries(f4, row, h, src, moved, c, W, WP, L, F4, CH)
         if F5 > 0:
             _move_entries(f5, row, h, src, moved, c, W, WP, L, F5, CH)
-        if F6 > 0:
-            _move_entries(f6, row, h, src, moved, c, W, WP, L, F6, CH)
 
 
 #: Batch rows per program of ``accept_kernel``.
@@ -222,7 +220,7 @@ ACCEPT_BLOCK = 128
 
 #: Elements of a buffer entry per program of ``compact_kernel``; at most this many fields.
 COMPACT_CHUNK = 1024
-COMPACT_FIELDS = 7
+COMPACT_FIELDS = 6
 
 
 def accept(cache, slots, num_accepted, path=None):

@@ -5,15 +5,7 @@ import torch
 
 from .. import checks
 from ..cache import ReplayCache
-from ..precision import get_precision
 from . import replay
-
-
-def anchor_products(precision) -> bool:
-    """Does a GDN cache of ``precision`` buffer each entry's anchor products ``sk``? Where the read
-    copy is the fp32 anchor itself: a step's products with the read copy are then the anchor's."""
-    p = get_precision(precision)
-    return p.shared and p.anchor.name == "fp32"
 
 
 class GDNCache(ReplayCache):
@@ -25,13 +17,8 @@ class GDNCache(ReplayCache):
     normalizes the key: k_scale * k is the key the recurrence uses; 1 / sqrt(k . k + 1e-6) with
     ``use_qk_l2norm``, else 1), ``g`` and ``beta`` [HV] fp32 (kept raw so that refresh re-solves
     residuals from the anchor), and the read-path residuals ``u`` [HV, V] fp32 (reused by later
-    outputs of the same window). Where the read copy is an fp32 anchor itself (``s32_rs``), also
-    ``sk`` [HV, V] fp32: the anchor's products with each entry's key as buffered, S_ckpt k_j, computed
-    by the step that buffers the entry exactly as a refresh's re-solve would compute them (the same
-    tensor-core products), so that a refresh re-solves the residuals from them instead of reading
-    the anchor once for its products and again for the fold. ``buffer_dtype`` None (default): v's
-    dtype at the first decode or verify, so bf16 inputs are buffered exactly as given, in half the
-    bytes of fp32 ones.
+    outputs of the same window). ``buffer_dtype`` None (default): v's dtype at the first decode or
+    verify, so bf16 inputs are buffered exactly as given, in half the bytes of fp32 ones.
     """
 
     kind = "gdn"
@@ -57,8 +44,6 @@ class GDNCache(ReplayCache):
                   "v": ((num_v_heads, head_v_dim), None),
                   "g": (self.decay_shape(num_v_heads, head_k_dim), f32), "beta": ((num_v_heads,), f32),
                   "u": ((num_v_heads, head_v_dim), f32)}
-        if anchor_products(precision):
-            fields["sk"] = ((num_v_heads, head_v_dim), f32)
         super().__init__(num_slots, num_v_heads, head_v_dim, head_k_dim, window=window,
                          max_draft=max_draft, precision=precision, device=device,
                          buffer_dtype=buffer_dtype, seed=seed, buffer_fields=fields)

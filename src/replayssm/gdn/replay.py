@@ -78,8 +78,7 @@ def outputs(state, buf, h, q, visible=None):
     state fp32 [b, HV, V, K] (the read copy); buf with entries valid below h+T and cached
     residuals ``u`` below h; h int64 [b]; q fp32 [b, T, HK, K] (normalized and scaled);
     visible bool [b, L, L] (``step.tree_visibility``) for a draft tree, None for a chain.
-    Returns (o fp32 [b, T, HV, V], {"u": fp32 [b, T, HV, V]}), and "sk" [b, T, HV, V] (S k_j of
-    the keys as buffered) where the buffer has that field (``cache.anchor_products``).
+    Returns (o fp32 [b, T, HV, V], {"u": fp32 [b, T, HV, V]}).
     """
     HV, L, T = state.shape[1], buf["g"].shape[1], q.shape[1]
     k = heads_of_groups(keys(buf), HV)
@@ -96,9 +95,4 @@ def outputs(state, buf, h, q, visible=None):
     scores = torch.einsum("blhk,bthk->btlh", k, qh) * decay
     o = o + torch.einsum("btlh,blhv->bthv", scores, u)
     u_new = torch.gather(u, 1, t[:, :, None, None].expand(-1, -1, HV, u.shape[-1]))
-    if "sk" not in buf:
-        return o, {"u": u_new}
-    # the read copy is the anchor: the new entries' products with their keys as buffered
-    k_new = torch.gather(buf["k"], 1, t[:, :, None, None].expand(-1, -1, *buf["k"].shape[2:])).float()
-    sk = torch.einsum("bhvk,bthk->bthv", state, heads_of_groups(k_new, HV))
-    return o, {"u": u_new, "sk": sk}
+    return o, {"u": u_new}

@@ -274,46 +274,9 @@ def _solve_here(bk_ptr, bks_ptr, bg_ptr, bbeta_ptr, row, khead, head, h, HK, HV,
     return tl.trans(tl.reshape(X, (LP, LP))), tl.reshape(ec, (LP,)), tl.reshape(es, (LP,)), tl.sum(total, 0)
 
 
-@triton.constexpr_function
-def _caches_products(SHARED, A_FMT):
-    """Does the buffer cache each entry's anchor products (``gdn.cache.anchor_products``)? Where
-    the read copy is the fp32 anchor itself."""
-    return bool(SHARED) and A_FMT == 0
-
-
-@triton.jit
-def _anchor_key_products(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, bk_ptr, row, khead, h, k_ptr, pid_b, skb, skt, skh,
-                         ske, HK, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
-                         DKP: tl.constexpr, A_FMT: tl.constexpr, STAGES: tl.constexpr, WINDOW: tl.constexpr,
-                         T: tl.constexpr = 1):
-    """S_anchor k_j [len(rv), LP] fp32 for keys as buffered (16-bit ones are exact tensor-core
-    operands, ``exact_b_products``), 32 columns at a time, each chunk's products added in column
-    order: the one form of these products, so that a step that caches them and a refresh that
-    computes them give the same bits. WINDOW: the committed keys j < h of the buffer (bk [rows, L,
-    HK, DK]); else the new tokens' keys at j = h .. h + T - 1 as the caller gave them (k [b, T, HK,
-    DK] of strides sk*, batch row ``pid_b``), cast to the buffer's dtype as the advance stores
-    them. Other columns are zero."""
-    j = tl.arange(0, LP)
-    SKC: tl.constexpr = 32 if DKP >= 32 else DKP
-    SK = tl.zeros((rv.shape[0], LP), dtype=tl.float32)
-    for c in tl.range(0, (DK + SKC - 1) // SKC, num_stages=STAGES):  # a loop, not unrolled: registers
-        cols = c * SKC + tl.arange(0, SKC)
-        if WINDOW:
-            K_part = window_raw_keys(bk_ptr, row, khead, h, cols, HK, DK, L, LP)
-        else:
-            new = (j >= h) & (j < h + T)
-            K_part = as_stored(tl.load(k_ptr + pid_b * skb + tl.maximum(j - h, 0)[:, None] * skt + khead * skh
-                                       + cols[None, :] * ske, mask=new[:, None] & within(cols, DK)[None, :],
-                                       other=0.0), bk_ptr.dtype.element_ty)
-        S_part = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT)
-        SK = exact_b_products(S_part, tl.trans(K_part), SK)
-    return SK
-
-
 @triton.jit
 def _gdn_refresh_rows(pid_b, head, khead, row, h, r0, seeds_ptr, tokens_ptr, Tinv, ec, es, total,
-                      av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, bsk_ptr, HV,
-                      HK,
+                      av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, HV, HK,
                       L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
                       BV: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
                       R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr,
@@ -321,9 +284,7 @@ def _gdn_refresh_rows(pid_b, head, khead, row, h, r0, seeds_ptr, tokens_ptr, Tin
     """Refresh rows r0 .. r0 + BV of value head ``head`` of storage row ``row`` (h committed
     entries, batch row ``pid_b``), FR rows at a time: the residual solve and fold of the module
     docstring, then the encode of KC columns at a time (the last pass of each masked from column
-    DK on). Tinv, ec, es, total: the head's solve (``_solved`` or ``_solve_here``). Where the buffer
-    caches the anchor products S_anchor k_j (bsk [rows, L, HV, DV], ``_caches_products``), they are
-    read from it, the same bits as the products here, and the anchor is read once, by the fold."""
+    DK on). Tinv, ec, es, total: the head's solve (``_solved`` or ``_solve_here``)."""
     mat = row * HV + head
     j = tl.arange(0, LP)
     old = j < h
@@ -331,6 +292,7 @@ def _gdn_refresh_rows(pid_b, head, khead, row, h, r0, seeds_ptr, tokens_ptr, Tin
     beta_c = tl.load(bbeta_ptr + buf_tok * HV + head, mask=old, other=0.0)
     seed = tl.load(seeds_ptr + row)
     tokens = tl.load(tokens_ptr + row)
+    SKC: tl.constexpr = 32 if DKP >= 32 else DKP
     for f in tl.static_range(BV // FR):
         rv = r0 + f * FR + tl.arange(0, FR)
         gidx = mat * (DV // FR) + (r0 + f * FR) // FR  # NVFP4: FR is the row block, one global scale
@@ -338,11 +300,12 @@ def _gdn_refresh_rows(pid_b, head, khead, row, h, r0, seeds_ptr, tokens_ptr, Tin
                       other=0.0).to(tl.float32)  # [FR, LP]
         # products with the keys as buffered (exact tensor-core operands when 16-bit,
         # ``exact_b_products``), their normalizing factors applied to the other side
-        if _caches_products(SHARED, A_FMT):  # S_anchor k_j / k_scale_j
-            SK = tl.load(bsk_ptr + (buf_tok[None, :] * HV + head) * DV + rv[:, None], mask=old[None, :], other=0.0)
-        else:
-            SK = _anchor_key_products(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, bk_ptr, row, khead, h, bk_ptr, 0, 0, 0,
-                                      0, 0, HK, L, LP, DV, DK, DKP, A_FMT, STAGES, True)
+        SK = tl.zeros((FR, LP), dtype=tl.float32)  # S_anchor k_j / k_scale_j
+        for c in tl.range(0, (DK + SKC - 1) // SKC, num_stages=STAGES):  # a loop, not unrolled: registers
+            cols = c * SKC + tl.arange(0, SKC)
+            K_part = window_raw_keys(bk_ptr, row, khead, h, cols, HK, DK, L, LP)
+            S_part = load_tile(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, cols, DV, DK, A_FMT)
+            SK = exact_b_products(S_part, tl.trans(K_part), SK)
         k_scale = window_key_scales(bks_ptr, row, khead, h, HK, L, LP)  # loaded here, not held: registers
         R = tl.where(old[None, :], beta_c[None, :] * (V_c - ec[None, :] * (SK * k_scale[None, :])), 0.0)
         # residuals, decayed to the end and times their keys' normalizing factors
@@ -361,7 +324,7 @@ def _gdn_refresh_rows(pid_b, head, khead, row, h, r0, seeds_ptr, tokens_ptr, Tin
 
 @triton.jit
 def _gdn_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, decays_ptr, av_ptr, as_ptr, ag_ptr,
-                        rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, bsk_ptr, bg_ptr, due_ptr, HV, HK,
+                        rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, bg_ptr, due_ptr, HV, HK,
                         T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
                         DKP: tl.constexpr, FR: tl.constexpr, KC: tl.constexpr, A_FMT: tl.constexpr, A_SR: tl.constexpr,
                         R_FMT: tl.constexpr, R_SR: tl.constexpr, SHARED: tl.constexpr, STAGES: tl.constexpr,
@@ -386,7 +349,7 @@ def _gdn_refresh_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
                 Tinv, ec, es, total = _solved(tinv_ptr, decays_ptr, pid_b, head, HV, LP)
             _gdn_refresh_rows(pid_b, head, khead, row, h, pid_v * FR, seeds_ptr, tokens_ptr, Tinv, ec,
                               es, total, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr,
-                              bbeta_ptr, bsk_ptr, HV, HK, L, LP, DV, DK, DKP, FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED,
+                              bbeta_ptr, HV, HK, L, LP, DV, DK, DKP, FR, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED,
                               STAGES, READ_AFTER)
 
 
@@ -548,7 +511,7 @@ def _gdn_step_program(
         pid_v, head, pid_b, valid, row, h, need,
         slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, decays_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
-        bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, bu_ptr, bsk_ptr, kraw_ptr, skrb, skrt, skrh, skre,
+        bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, bu_ptr,
         q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr, gammas_ptr, o_ptr, HV, HK,
         sqb, sqt, sqh, sqe, skb, skt, skh, ske, g_ptr, sgb, sgt, sgh, alog_ptr, s_alog, dtb_ptr, s_dtb, bg_ptr,
         ks_ptr, gn_ptr, betan_ptr, kn_ptr, qn_ptr, parents_ptr, scale,
@@ -577,15 +540,10 @@ def _gdn_step_program(
             else:
                 Tinv, ec, es, total = _solved(tinv_ptr, decays_ptr, pid_b, head, HV, LP)
             _gdn_refresh_rows(pid_b, head, khead, row, h, pid_v * BV, seeds_ptr, tokens_ptr, Tinv, ec, es, total,
-                              av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr, bbeta_ptr,
-                              bsk_ptr, HV, HK, L, LP, DV, DK, DKP, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
+                              av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, HV,
+                              HK, L, LP, DV, DK, DKP, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
             tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
     h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
-    if _caches_products(SHARED, A_FMT):  # the new entries' anchor products, for the refresh that folds them
-        SK = _anchor_key_products(av_ptr, as_ptr, ag_ptr, mat, gidx, rv, bk_ptr, row, khead, h, kraw_ptr, pid_b, skrb,
-                                  skrt, skrh, skre, HK, L, LP, DV, DK, DKP, A_FMT, STAGES, False, T)
-        tl.store(bsk_ptr + ((row * L + j[None, :]) * HV + head) * DV + rv[:, None], SK,
-                 mask=((j >= h) & (j < h + T))[None, :])
     # the read copy in its own layout (the anchor itself when shared; never whole when its products
     # are streamed), then everything else a program reads, all issued before any arithmetic
     if OUTPUT_DOT:
@@ -616,7 +574,7 @@ def _gdn_step_program(
 
 @triton.jit
 def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, decays_ptr, av_ptr, as_ptr, ag_ptr,
-                     rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, bu_ptr, bsk_ptr, q_ptr, k_ptr, v_ptr,
+                     rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, bu_ptr, q_ptr, k_ptr, v_ptr,
                      svb: tl.constexpr, svt: tl.constexpr, svh: tl.constexpr, sve: tl.constexpr, beta_ptr,
                      sbb: tl.constexpr, sbt: tl.constexpr, sbh: tl.constexpr, scores_ptr, gammas_ptr, o_ptr, due_ptr,
                      SCRATCH, HV, HK, sqb: tl.constexpr, sqt: tl.constexpr, sqh: tl.constexpr, sqe: tl.constexpr,
@@ -666,8 +624,7 @@ def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, de
             _gdn_step_program(
                 pid_v, head, pid_b, valid, row, h, need, slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
                 decays_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, bu_ptr,
-                bsk_ptr, s1, s1b, s1t, s1h, s1e, q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh,
-                scores_ptr, gammas_ptr, o_ptr, HV, HK,
+                q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr, gammas_ptr, o_ptr, HV, HK,
                 sqb, sqt, sqh, sqe, skb, skt, skh, ske, g_ptr, sgb, sgt, sgh, alog_ptr, s_alog, dtb_ptr, s_dtb, bg_ptr,
                 ks_ptr, gn_ptr, betan_ptr, kn_ptr, qn_ptr, parents_ptr, scale, T, L, LP, DV, DK, DKP, BV, FR, KC,
                 A_FMT, A_SR, R_FMT,
@@ -736,7 +693,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
         kn, qn = (torch.empty(q.shape, dtype=torch.float32, device=dev) for _ in range(2)) if shape.output_dot \
             else (unused, unused)
         step_args = (slots, unused, cache.tokens, cache.seeds, unused, unused, *anchor, *read, buf["k"], buf["k_scale"],
-                     buf["v"], buf["beta"], buf["u"], buf.get("sk", buf["u"]), q, k, v, *strides(v), beta_in, *strides(beta_in)[:3], unused,
+                     buf["v"], buf["beta"], buf["u"], q, k, v, *strides(v), beta_in, *strides(beta_in)[:3], unused,
                      unused, o, unused, cache.scratch_row, HV, HK, *strides(q), *strides(k), g_in, *strides(g_in)[:3],
                      g_in if alog is None else alog, head_stride(alog), g_in if dtb is None else dtb, head_stride(dtb),
                      buf["g"], k_scale, g, beta, kn, qn, tree, cache.draft_gaps, float(scale), *advanced)
@@ -761,14 +718,14 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     solve_consts = dict(L=cache.window, LP=LP, DK=K, DKP=DKP, RATIO=HV // HK, RP=triton.next_power_of_2(HV // HK),
                         LEVELS=launch.inverse_levels(LP), ROUNDS=rounds, num_warps=SOLVE_WARPS)
     refresh_args = (slots, cursors, cache.tokens, cache.seeds, tinv, decays, *anchor, *read,
-                    buf["k"], buf["k_scale"], buf["v"], buf["beta"], buf.get("sk", buf["u"]), buf["g"], due, HV, HK)
+                    buf["k"], buf["k_scale"], buf["v"], buf["beta"], buf["g"], due, HV, HK)
     refresh_consts = dict(T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, FR=FR, KC=KC, STAGES=shape.stages,
                           READ_AFTER=read_after, ROUNDS=rounds, SOLVE_HERE=shape.solve_here,
                           LEVELS=launch.inverse_levels(LP), num_warps=shape.refresh_warps, **consts,
                           **({"maxnreg": shape.refresh_maxnreg} if shape.refresh_maxnreg else {}))
     # the scores launch's prepared q, k; the fused-only inputs unused (zero strides: one compile)
     step_args = (slots, cursors, cache.tokens, cache.seeds, tinv, decays, *anchor, *read, buf["k"], buf["k_scale"],
-                 buf["v"], buf["beta"], buf["u"], buf.get("sk", buf["u"]), qn, kn, v, *strides(v), beta, *strides(beta)[:3], scores, gammas, o,
+                 buf["v"], buf["beta"], buf["u"], qn, kn, v, *strides(v), beta, *strides(beta)[:3], scores, gammas, o,
                  due, cache.scratch_row, HV, HK, *[0] * 8, g, 0, 0, 0, g, 0, g, 0, buf["g"], k_scale, g, beta, kn, qn,
                  tree, cache.draft_gaps, float(scale), *advanced)
     due_work = [] if shape.solve_here else [(_gdn_solve_kernel, (HK, programs), solve, solve_consts)]
