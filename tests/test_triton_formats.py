@@ -208,6 +208,84 @@ def test_grid_round_matches_torch_on_ties_subnormals_and_limits(grid, rounding):
 
 
 @triton.jit
+def _quotient_kernel(x_ptr, d_ptr, out_ptr, NB: tl.constexpr, N: tl.constexpr):
+    i = tl.program_id(0)
+    b, e = tl.arange(0, NB), tl.arange(0, N)
+    X = tl.load(x_ptr + (i * NB + b[:, None]) * N + e[None, :])
+    d = tl.load(d_ptr + i * NB + b)
+    q = tf.quotient(tl.reshape(X, (1, NB, N)), tl.reshape(d, (1, NB, 1)))
+    tl.store(out_ptr + (i * NB + b[:, None]) * N + e[None, :], tl.reshape(q, (NB, N)))
+
+
+def _quotient_cases(g, blocks, n):
+    """(X [blocks, n], d [blocks]) where a division errs first: divisors over the whole positive
+    range (subnormals, all-ones significands), numerators that are exact multiples of them by the
+    rounding midpoints of the e2m1 and e4m3 grids and their neighbours, signed zeros, tiny values."""
+    d = torch.exp2(torch.empty(blocks).uniform_(-140, 100, generator=g)) * torch.empty(blocks).uniform_(1, 2, generator=g)
+    ones = torch.rand(blocks, generator=g) < 0.3
+    d = torch.where(ones, (d.view(torch.int32) | 0x7FFFFF).view(torch.float32), d)
+    d[:4] = torch.tensor([1.0, 2.0 ** -149, 3 * 2.0 ** -140, 2.0 ** 110])
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 1.0625, 1.1875, 416.0, 448.0])
+    m = mids[torch.randint(0, len(mids), (blocks, n), generator=g)]
+    X = (m * d[:, None]).float()
+    step = torch.randint(-1, 2, (blocks, n), generator=g)
+    X = torch.where(step < 0, torch.nextafter(X, torch.zeros(())), torch.where(step > 0, torch.nextafter(X, X * 2), X))
+    X = X * torch.where(torch.rand(blocks, n, generator=g) < 0.5, -1.0, 1.0)
+    free = torch.rand(blocks, n, generator=g) < 0.25
+    X = torch.where(free, d[:, None] * torch.empty(blocks, n).uniform_(-9, 9, generator=g), X)
+    X[:, 0], X[:, 1], X[:, 2], X[:, 3] = 0.0, -0.0, -d * 2.0 ** -130, d * 2.0 ** -99
+    return X, d
+
+
+def _assert_quotient_bits(got, want):
+    """The bits of IEEE division where |quotient| >= 2**-100, else below 2**-99 with its sign."""
+    big = want.abs() >= 2.0 ** -100
+    assert torch.equal(torch.where(big, got, 0.0).view(torch.int32), torch.where(big, want, 0.0).view(torch.int32))
+    assert bool(((got.abs() < 2.0 ** -99) & (torch.signbit(got) == torch.signbit(want)) | big).all())
+
+
+def test_quotient_is_correctly_rounded_division():
+    """``quotient`` (one reciprocal per block and Markstein's correction on the GPU) gives the
+    bits of IEEE fp32 division, as ``replayssm.formats`` divides, on the numerators where a quotient
+    from the reciprocal alone errs: the e2m1 and e4m3 rounding midpoints times the divisor."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    NB, N = 16, 16
+    X, d = _quotient_cases(g, 64 * NB, N)
+    got = torch.empty_like(X)
+    _launch(_quotient_kernel, (64,), X, d, got, NB, N)
+    want = X / d[:, None]
+    _assert_quotient_bits(got, want)
+    # teeth: the product with the correctly rounded reciprocal alone misses some of them
+    assert (X * (1.0 / d[:, None]) != want).sum() >= 16
+
+
+def _fma32(a, b, c):
+    """fp32 a * b + c rounded once, exactly (float64 sums rounded twice are tried against fractions)."""
+    from fractions import Fraction
+    exact = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    near = torch.tensor(float(exact)).float()
+    cands = [torch.nextafter(near, torch.tensor(-float("inf"))), near, torch.nextafter(near, torch.tensor(float("inf")))]
+    return min(cands, key=lambda v: (abs(Fraction(v.item()) - exact), v.view(torch.int32).item() & 1))
+
+
+def test_markstein_quotient_steps_are_exact_in_exact_arithmetic():
+    """The steps of ``quotient``'s GPU form (which the interpreter cannot run: its FMA rounds
+    twice) in fp32 with exactly rounded FMAs: the bits of IEEE division on the hard cases."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    X, d = _quotient_cases(g, 24, 16)
+    for xb, db in zip(X, d):
+        e = min(max((db.view(torch.int32).item() >> 23) & 0xFF, 1), 253)
+        p = torch.tensor(2.0 ** (127 - e))
+        ds = (db * p).float()
+        y = (1.0 / ds).float()
+        for x in xb:
+            xs = (x * p).float()
+            q0 = (xs * y).float()
+            q = q0 if q0.abs() < 2.0 ** -100 else _fma32(_fma32(-q0, ds, xs), y, q0)
+            _assert_quotient_bits(q, x / db)
+
+
+@triton.jit
 def _random_bits_kernel(base_ptr, seed_ptr, stream_ptr, out_ptr, SPAN: tl.constexpr):
     i = tl.program_id(0)
     offset = tl.arange(0, SPAN).to(tl.uint32)

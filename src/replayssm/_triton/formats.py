@@ -148,6 +148,28 @@ def grid_round(y, r24, M: tl.constexpr, EMIN: tl.constexpr, MAXV: tl.constexpr, 
 
 
 @triton.jit
+def quotient(X, d):
+    """X / d for d > 0 that broadcasts against X (one divisor per block, or per tile), at one
+    division per divisor instead of one per element: the bits of ``div_rn`` (IEEE fp32 division, as
+    ``replayssm.formats`` divides) wherever the quotient's magnitude is at least 2**-100; a smaller
+    quotient comes out below 2**-99 with X's sign, which every encoder's grid rounds to the same
+    signed zero. On the GPU: X and d scaled by the power of two that takes d to [1, 2) (exact, unless
+    the scaled X is subnormal: a quotient below 2**-126), then Markstein's correction of the product
+    with the correctly rounded reciprocal y: q0 = X y, r = X - d q0 (exact by FMA), q = q0 + r y,
+    rounded once. The interpreter's FMA rounds twice, so there it divides."""
+    if INTERPRETED:
+        return tl.math.div_rn(X, d + tl.zeros(X.shape, tl.float32))
+    e = tl.minimum(tl.maximum((d.to(tl.int32, bitcast=True) >> 23) & 0xFF, 1), 253)
+    p = _pow2(127 - e)
+    ds = d * p
+    y = tl.math.div_rn(tl.full(ds.shape, 1.0, tl.float32), ds)
+    xs = X * p
+    q0 = xs * y
+    q = tl.fma(tl.fma(-q0, ds, xs), y, q0)
+    return tl.where(tl.abs(q0) < 7.888609052210118e-31, q0, q)  # 2**-100: below it r may not be exact
+
+
+@triton.jit
 def as_stored(x, dtype: tl.constexpr):
     """x cast to ``dtype`` (a replay buffer's: inputs stored as given), rounding to nearest-even as
     the GPU's cast does. The interpreter's cast to bf16 truncates instead: there x is first rounded
@@ -283,11 +305,10 @@ def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
         X = tl.reshape(S, (BV, NB, 32))
         amax = tl.reduce(tl.abs(X), 2, _max_nan)  # NaN or inf when the block has one: its scale is then NaN
         bad = (amax < float("inf")) == 0
-        scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
+        scale = quotient(amax, tl.full((), 448.0, tl.float32))
         scale = tl.where(scale > 0, scale, 1.0)
         scale = tl.where(bad, float("nan"), scale)
-        y = tl.where(bad[:, :, None], 0.0,
-                     tl.math.div_rn(X, tl.broadcast_to(tl.where(bad, 1.0, scale)[:, :, None], (BV, NB, 32))))
+        y = tl.where(bad[:, :, None], 0.0, quotient(X, tl.where(bad, 1.0, scale)[:, :, None]))
         y = tl.reshape(y, (BV, BK))
         v = _to_e4m3(y, r24, SR)
         tl.store(v_ptr + row * W + ck[None, :], v, mask=within(ck, W)[None, :])
@@ -302,14 +323,12 @@ def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
         X = tl.reshape(S, (BV, NB, 16))
         bamax = tl.reduce(tl.abs(X), 2, _max_nan)  # as for fp8
         bad = (bamax < float("inf")) == 0
-        t = tl.math.div_rn(tl.math.div_rn(bamax, tl.full(bamax.shape, 6.0, tl.float32)),
-                           tl.full(bamax.shape, 1.0, tl.float32) * gs)
+        t = quotient(quotient(bamax, tl.full((), 6.0, tl.float32)), gs)
         s = _to_e4m3(t, t.to(tl.int64), False).to(tl.float32)  # RNE onto the e4m3 grid
         s = tl.where(bad, float("nan"), s)
         denom = s * gs
         ok = denom > 0
-        y = tl.where(ok[:, :, None],
-                     tl.math.div_rn(X, tl.broadcast_to(tl.where(ok, denom, 1.0)[:, :, None], (BV, NB, 16))), 0.0)
+        y = tl.where(ok[:, :, None], quotient(X, tl.where(ok, denom, 1.0)[:, :, None]), 0.0)
         q = grid_round(tl.reshape(y, (BV, BK)), r24, 1, 0, 6.0, SR)
         mag = tl.abs(q)
         idx = tl.where(mag <= 2.0, mag * 2.0, tl.where(mag < 6.0, mag + 2.0, 7.0)).to(tl.int32)
