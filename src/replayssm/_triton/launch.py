@@ -509,10 +509,21 @@ class StepShape(NamedTuple):
 #: - a pin of 16 elements per thread for GDN decode from fp32 and Mamba-2 verify of 4 drafts from
 #:   2-byte read copies (515.3 against 543.5 unpinned); none elsewhere (GDN decode tp16_hi32 299.1
 #:   against 313.8 pinned, Mamba-2 verify of 2 drafts tp16_hi32 309.7 against 332.3);
-#: - 3 fold stages in flight in a refresh launch, 2 in a branch (GDN decode 443.9 against 466.0 at 1).
+#: - 3 fold stages in flight in a refresh launch, 2 in a branch (GDN decode 443.9 against 466.0 at 1);
+#: - 64-row programs for the narrow formats where they measured faster, the shapes above otherwise
+#:   (H100, one run, us): Mamba-2 NVFP4 decode with row reductions in 64 x 1 programs 254.7 against
+#:   309.9 at 32 x 4 (64 x 2 265.7; its refresh launch at 2 or 8 warps 267.1, 331.8), and its slots
+#:   due beside the others 248.5 against 254.5 in a second run (32 x 4: 308.8), its verify in
+#:   64 x 2 programs, 3 chunks in flight, 401.2 against 477.0 for 2 drafts, 672.0 against 773.7 for 4
+#:   (32 x 1 673.1, 64 x 4 993.9); Mamba-2 fp8 decode at 64 x 1 204.1 against 210.7 (64 x 2 209.1);
+#:   GDN NVFP4 decode streamed at 64 x 1 313.1 against 343.8 (64 x 2 340.6), its verify at 32 x 1
+#:   (64 x 1: 491.4 and 767.1 against 490.9 and 753.6 for 2 and 4 drafts); GDN fp8 decode at 32 x 1
+#:   (277.7 against 356.1 at 64 x 1, 312.1 at 32 x 2). Below batch 64 the narrow formats keep 32 rows
+#:   (``SMALL_BATCH_SHAPES``).
 #:
-#: One warp per 32 rows keeps row reductions inside a warp; NVFP4 row reductions take 4 warps (one
-#: cannot hide its nibble decoding). The pin: Triton loads an fp32 tile 4 elements per thread and
+#: One warp per 32 rows keeps row reductions inside a warp; NVFP4 row reductions of 32-row programs
+#: take 4 warps (one cannot hide its nibble decoding), while one warp over 64 rows has twice the
+#: elements per thread to hide it behind. The pin: Triton loads an fp32 tile 4 elements per thread and
 #: an fp16 tile 8, spreading a 128-wide row over a whole warp, so every row reduction ends in 5
 #: rounds of shuffles; pinned to 16 per thread, 3. bf16 read copies take fp16's entries.
 BASE_SHAPE = StepShape(rows=32, warps=1, pin=0, output_dot=False, stream=0, split=True, stages=3)
@@ -524,9 +535,9 @@ SHAPES = {
                          (4, dict(pin=16, split=False))),
     ("mamba2", "bf16"): ((1, dict(split=False, stages=2, beside=True)), (2, dict(split=False)),
                          (4, dict(pin=16, split=False))),
-    ("mamba2", "fp8_e4m3"): ((1, dict(beside=True)), (2, {})),
-    ("mamba2", "nvfp4"): ((1, dict(warps=4, refresh_warps=4)),
-                          (2, dict(warps=2, refresh_warps=4, output_dot=True, stream=2))),
+    ("mamba2", "fp8_e4m3"): ((1, dict(rows=64, beside=True)), (2, {})),
+    ("mamba2", "nvfp4"): ((1, dict(rows=64, refresh_warps=4, beside=True)),
+                          (2, dict(rows=64, warps=2, refresh_warps=4, output_dot=True, stream=3))),
     ("gdn", "fp32"): ((1, dict(pin=16, refresh_maxnreg=128, **_BESIDE)),
                       (4, dict(rows=64, warps=2, refresh_maxnreg=168, maxnreg=168, **_VERIFY_DOT))),
     ("gdn", "fp16"): ((1, dict(refresh_maxnreg=168, **_BESIDE)),
@@ -535,7 +546,8 @@ SHAPES = {
                       (2, dict(rows=64, warps=2, refresh_maxnreg=168, **_VERIFY_DOT))),
     ("gdn", "fp8_e4m3"): ((1, dict(refresh_maxnreg=128)), (2, dict(rows=64, refresh_maxnreg=128, **_VERIFY_DOT)),
                           (4, dict(rows=64, refresh_maxnreg=128, beside=True, **_VERIFY_DOT))),
-    ("gdn", "nvfp4"): ((1, dict(output_dot=True, stream=2, beside=True)), (2, dict(output_dot=True, stream=2))),
+    ("gdn", "nvfp4"): ((1, dict(rows=64, output_dot=True, stream=2, beside=True)),
+                       (2, dict(output_dot=True, stream=2))),
 }
 #: Entries of ``SHAPES`` that differ below SPLIT_MIN_BATCH rows, in the same form, applied over
 #: them: where fewer programs share the GPU, smaller or reduction-bound programs measured faster
@@ -546,9 +558,11 @@ SHAPES = {
 #: which its 32 x 1 programs spill 144 B (compiled for sm_90a; 238 registers and none uncapped, 165
 #: and none at 32 x 2); whether the cap pays below batch 64 is not timed.
 SMALL_BATCH_SHAPES = {
+    ("mamba2", "fp8_e4m3"): ((1, dict(rows=32)), (2, {})),
+    ("mamba2", "nvfp4"): ((1, dict(rows=32, warps=4)), (2, dict(rows=32, stream=2))),
     ("gdn", "fp32"): ((4, dict(rows=32, warps=1)),),
     ("gdn", "fp8_e4m3"): ((2, dict(rows=32, output_dot=False, stream=0)), (4, dict(rows=32))),
-    ("gdn", "nvfp4"): ((1, dict(warps=4, output_dot=False, stream=0)), (2, {})),  # verify: SHAPES' entry
+    ("gdn", "nvfp4"): ((1, dict(rows=32, warps=4, output_dot=False, stream=0)), (2, {})),  # verify: SHAPES' entry
 }
 # KDA's step kernel runs GDN's inner loop (its per-channel decays are applied in the scores launch):
 # GDN's shapes, with the refresh in a launch of their own where GDN has the slots due beside the
@@ -559,6 +573,8 @@ SMALL_BATCH_SHAPES = {
 SHAPES.update({("kda", fmt): tuple((least, dict(fields, beside=False, split=True) if fields.get("beside") else fields)
                                    for least, fields in entries)
                for (arch, fmt), entries in list(SHAPES.items()) if arch == "gdn"})
+# KDA's NVFP4 decode keeps 32-row programs: the 64-row ones were timed for GDN only
+SHAPES[("kda", "nvfp4")] = ((1, dict(SHAPES[("kda", "nvfp4")][0][1], rows=32)), *SHAPES[("kda", "nvfp4")][1:])
 SMALL_BATCH_SHAPES.update({("kda", fmt): entries for (arch, fmt), entries in list(SMALL_BATCH_SHAPES.items())
                            if arch == "gdn"})
 
