@@ -634,10 +634,17 @@ def test_step_shapes_follow_the_policy():
     assert not launch.step_shape(eight, "gdn", 2).beside and launch.step_shape(eight, "gdn", 4).beside
     fp4 = rs.GDNCache(1, 1, 2, 32, 128, precision="tp4_hi32")  # NVFP4: streamed products but small decodes
     assert [launch.step_shape(fp4, "gdn", T, batch=b)[:5] for T, b in ((1, 256), (4, 256), (1, 8), (4, 8))] == [
-        (32, 1, 0, True, 2), (32, 1, 0, True, 2), (32, 4, 0, False, 0), (32, 1, 0, True, 2)]
+        (64, 1, 0, True, 2), (32, 1, 0, True, 2), (32, 4, 0, False, 0), (32, 1, 0, True, 2)]
     assert launch.step_shape(fp4, "gdn", 1).beside and not launch.step_shape(fp4, "gdn", 4).beside
+    kda4 = rs.KDACache(1, 1, 2, 32, 128, precision="tp4_hi32")  # KDA keeps 32-row NVFP4 decodes
+    assert launch.step_shape(kda4, "kda", 1)[:2] == (32, 1)
+    # Mamba-2 NVFP4 and fp8: 64-row programs from batch 64 on (NVFP4 decode beside), 32 rows below
     m4 = rs.Mamba2Cache(1, 2, 64, 128, precision="tp4_hi32")
-    assert [launch.step_shape(m4, "mamba2", T)[:5] for T in (1, 2)] == [(32, 4, 0, False, 0), (32, 2, 0, True, 2)]
+    assert [launch.step_shape(m4, "mamba2", T)[:5] for T in (1, 2)] == [(64, 1, 0, False, 0), (64, 2, 0, True, 3)]
+    assert [launch.step_shape(m4, "mamba2", T, batch=32)[:5] for T in (1, 2)] == [
+        (32, 4, 0, False, 0), (32, 2, 0, True, 2)]
+    assert launch.step_shape(m4, "mamba2", 1).beside and not launch.step_shape(m4, "mamba2", 1, batch=32).beside
+    assert [launch.step_shape(m8, "mamba2", 1, batch=b).rows for b in (256, 32)] == [64, 32]
     small = rs.Mamba2Cache(1, 2, 16, 32)
     assert launch.step_shape(small, "mamba2").rows == 16
     for arch, cache in (("gdn", wide), ("mamba2", m8), ("kda", kda)):  # one launch for the smallest steps

@@ -221,7 +221,8 @@ def _quotient_cases(g, blocks, n):
     """(X [blocks, n], d [blocks]) where a division errs first: divisors over the whole positive
     range (subnormals, all-ones significands), numerators that are exact multiples of them by the
     rounding midpoints of the e2m1 and e4m3 grids and their neighbours, signed zeros, tiny values."""
-    d = torch.exp2(torch.empty(blocks).uniform_(-140, 100, generator=g)) * torch.empty(blocks).uniform_(1, 2, generator=g)
+    d = torch.exp2(torch.empty(blocks).uniform_(-140, 100, generator=g))
+    d = d * torch.empty(blocks).uniform_(1, 2, generator=g)
     ones = torch.rand(blocks, generator=g) < 0.3
     d = torch.where(ones, (d.view(torch.int32) | 0x7FFFFF).view(torch.float32), d)
     d[:4] = torch.tensor([1.0, 2.0 ** -149, 3 * 2.0 ** -140, 2.0 ** 110])
@@ -264,7 +265,8 @@ def _fma32(a, b, c):
     from fractions import Fraction
     exact = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
     near = torch.tensor(float(exact)).float()
-    cands = [torch.nextafter(near, torch.tensor(-float("inf"))), near, torch.nextafter(near, torch.tensor(float("inf")))]
+    inf = torch.tensor(float("inf"))
+    cands = [torch.nextafter(near, -inf), near, torch.nextafter(near, inf)]
     return min(cands, key=lambda v: (abs(Fraction(v.item()) - exact), v.view(torch.int32).item() & 1))
 
 
