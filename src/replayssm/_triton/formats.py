@@ -3,8 +3,8 @@
 Mirrors ``replayssm.formats`` element for element: the same block layouts, the same scale
 arithmetic (correctly rounded fp32 divisions: ``div_rn``, or ``quotient`` by a block's divisor), the
 same grid rounding and the same counter-based random bits, so that encoding an identical fp32 tile
-gives identical bits on both backends. Format ids (constexpr ``FMT``): 0 fp32, 1 fp16, 2 bf16, 3 fp8-e4m3 (32-element fp32
-block scales), 4 NVFP4 (16-element e4m3 scales + fp32 global scale per matrix).
+gives identical bits on both backends. Format ids (constexpr ``FMT``): 0 fp32, 1 fp16, 2 bf16, 3
+fp8-e4m3 (32-element fp32 block scales), 4 NVFP4 (16-element e4m3 scales + fp32 global scale per matrix).
 A tile is one [BV, BK] block of one (slot, head) matrix: BV rows, and all dk columns or BK
 contiguous ones from a multiple of 32. Tiles are a power of two wide (``DKP``, ``launch.column_pad``):
 columns from dk on are padding, masked to zero on loads and never stored past the row's stored width
