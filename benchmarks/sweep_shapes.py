@@ -20,8 +20,8 @@ from replayssm._triton import launch
 from replayssm.bench import conventional, suite
 from replayssm.bench.measure import bench_one, correctness, graph_check
 from replayssm.bench.suite import Problem
+from replayssm.geometry import DEFAULT_MODEL
 
-GEO = {"mamba2": "nemotron3-super", "gdn": "qwen35-122b"}
 
 
 def main():
@@ -49,7 +49,7 @@ def main():
     out = {"rows": [], "checks": []}
     t0 = time.time()
     for arch in args.arch.split(","):
-        dims = suite.GEOMETRIES[dict(GEO, **dict(m.split("=") for m in args.model))[arch]][1]
+        dims = suite.GEOMETRIES[dict(DEFAULT_MODEL, **dict(m.split("=") for m in args.model))[arch]][1]
         labels = args.check_shapes.split(";")[0 if arch == "mamba2" else -1] if args.check_shapes else ""
         for label in ([] if args.skip_check else ["default"]) + [x for x in labels.split(",") if x]:
             launch.TUNING.clear()
