@@ -23,7 +23,6 @@ from replayssm.bench.suite import Problem
 from replayssm.geometry import DEFAULT_MODEL
 
 
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--presets", default="s32_rs,tp16_hi32,tp8_hi32")
