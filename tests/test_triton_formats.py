@@ -288,6 +288,27 @@ def test_markstein_quotient_steps_are_exact_in_exact_arithmetic():
 
 
 @triton.jit
+def _e2m1_pairs_kernel(byte_ptr, lo_ptr, hi_ptr):
+    at = (tl.arange(0, 8)[:, None, None] * 4 + tl.arange(0, 4)[None, :, None]) * 8 + tl.arange(0, 8)[None, None, :]
+    lo, hi = tf.e2m1_pairs(tl.load(byte_ptr + at))  # a [rows, blocks, 8] tile, as load_read takes NVFP4 rows
+    tl.store(lo_ptr + at, lo.to(tl.float32) * 16384.0)
+    tl.store(hi_ptr + at, hi.to(tl.float32) * 16384.0)
+
+
+def test_e2m1_pairs_decode_every_byte():
+    """``e2m1_pairs`` (on the GPU four bytes per register in PTX) against ``replayssm.formats``'
+    decode table, for all 256 bytes in a fresh random order, signed zeros included."""
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    byte = torch.randperm(256, generator=g).to(torch.uint8)
+    lo, hi = torch.empty(256), torch.empty(256)
+    _launch(_e2m1_pairs_kernel, (1,), byte, lo, hi)
+    table = torch.tensor(formats._E2M1_TABLE)
+    code = byte.long()
+    assert torch.equal(lo.view(torch.int32), table[code & 15].view(torch.int32))
+    assert torch.equal(hi.view(torch.int32), table[code >> 4].view(torch.int32))
+
+
+@triton.jit
 def _random_bits_kernel(base_ptr, seed_ptr, stream_ptr, out_ptr, SPAN: tl.constexpr):
     i = tl.program_id(0)
     offset = tl.arange(0, SPAN).to(tl.uint32)

@@ -573,8 +573,6 @@ SMALL_BATCH_SHAPES = {
 SHAPES.update({("kda", fmt): tuple((least, dict(fields, beside=False, split=True) if fields.get("beside") else fields)
                                    for least, fields in entries)
                for (arch, fmt), entries in list(SHAPES.items()) if arch == "gdn"})
-# KDA's NVFP4 decode keeps 32-row programs: the 64-row ones were timed for GDN only
-SHAPES[("kda", "nvfp4")] = ((1, dict(SHAPES[("kda", "nvfp4")][0][1], rows=32)), *SHAPES[("kda", "nvfp4")][1:])
 SMALL_BATCH_SHAPES.update({("kda", fmt): entries for (arch, fmt), entries in list(SMALL_BATCH_SHAPES.items())
                            if arch == "gdn"})
 
