@@ -309,6 +309,35 @@ def test_e2m1_pairs_decode_every_byte():
 
 
 @triton.jit
+def _e2m1_code_kernel(y_ptr, code_ptr, N: tl.constexpr):
+    at = tl.arange(0, N)
+    tl.store(code_ptr + at, tf._e2m1_nearest_code(tl.load(y_ptr + at)))
+
+
+def test_e2m1_nearest_code_rounds_ties_to_even_and_saturates():
+    """The NVFP4 encoder's code of a block-scaled value (nearest-even onto the e2m1 grid from the
+    bits) against the nearest grid magnitude found by search, ties to the even index, on every
+    midpoint of the grid and its fp32 neighbours, signed zeros, subnormals and values past 6."""
+    mags = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+    points = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, 8.0, 1.0, 2.0, 4.0, 0.5, 1e-40, 1e30])
+    inf = torch.full_like(points, float("inf"))
+    near = torch.cat([points, torch.nextafter(points, inf), torch.nextafter(points, -inf)])
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    rand = torch.rand(256 - 2 * near.numel() - 2, generator=g) * 9.0
+    y = torch.cat([near, -near, rand, torch.tensor([0.0, -0.0])])
+    y[2 * near.numel():-2] *= torch.where(torch.rand(rand.numel(), generator=g) < 0.5, -1.0, 1.0)
+    code = torch.empty(y.numel(), dtype=torch.int32)
+    _launch(_e2m1_code_kernel, (1,), y, code, y.numel())
+    dist = (y.double().abs().clamp(max=6.0)[:, None] - mags[None, :]).abs()
+    best = dist.min(1, keepdim=True).values
+    index = torch.arange(8)[None, :]
+    # the nearest magnitude; of two at the same distance the even index
+    want = torch.where(dist == best, index + 8 * (index % 2), 99).min(1).values % 8
+    want = want + 8 * torch.signbit(y).long()
+    assert torch.equal(code.long(), want)
+
+
+@triton.jit
 def _random_bits_kernel(base_ptr, seed_ptr, stream_ptr, out_ptr, SPAN: tl.constexpr):
     i = tl.program_id(0)
     offset = tl.arange(0, SPAN).to(tl.uint32)

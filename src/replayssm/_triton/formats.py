@@ -170,6 +170,21 @@ def quotient(X, d):
 
 
 @triton.jit
+def _e2m1_nearest_code(y):
+    """The e2m1 code (sign bit 3, magnitude index bits 0-2) of finite fp32 y rounded to nearest-even
+    onto the e2m1 grid and saturated at 6: ``grid_round(y, _, 1, 0, 6.0, False)``'s code, from the
+    bits in about 10 integer and float operations instead of about 25. Where the grid's spacing is
+    2**(k - 1) (k = 0 below 2, 1 in [2, 4), 2 from 4 on), |y| 2**(1 - k) rounded to an integer by
+    adding 1.5 * 2**23 (exact product; the sum's ulp is 1, so its low bits are that integer) plus 2k
+    is the index; from 8 on it saturates at 7."""
+    mag = tl.abs(y)
+    k = tl.minimum(tl.maximum(mag.to(tl.int32, bitcast=True) >> 23, 127), 129) - 127
+    t = mag * ((128 - k) << 23).to(tl.float32, bitcast=True) + 12582912.0
+    idx = tl.minimum(t.to(tl.int32, bitcast=True) - 0x4B400000 + 2 * k, 7)
+    return idx | ((y.to(tl.int32, bitcast=True) >> 28) & 8)
+
+
+@triton.jit
 def as_stored(x, dtype: tl.constexpr):
     """x cast to ``dtype`` (a replay buffer's: inputs stored as given), rounding to nearest-even as
     the GPU's cast does. The interpreter's cast to bf16 truncates instead: there x is first rounded
@@ -368,10 +383,14 @@ def store_tile(S, v_ptr, s_ptr, g_ptr, mat, gidx, head, rv, ck, seed, stream,
         denom = s * gs
         ok = denom > 0
         y = tl.where(ok[:, :, None], quotient(X, tl.where(ok, denom, 1.0)[:, :, None]), 0.0)
-        q = grid_round(tl.reshape(y, (BV, BK)), r24, 1, 0, 6.0, SR)
-        mag = tl.abs(q)
-        idx = tl.where(mag <= 2.0, mag * 2.0, tl.where(mag < 6.0, mag + 2.0, 7.0)).to(tl.int32)
-        code = idx | ((q.to(tl.int32, bitcast=True) >> 28) & 8)
+        y = tl.reshape(y, (BV, BK))
+        if SR:
+            q = grid_round(y, r24, 1, 0, 6.0, SR)
+            mag = tl.abs(q)
+            idx = tl.where(mag <= 2.0, mag * 2.0, tl.where(mag < 6.0, mag + 2.0, 7.0)).to(tl.int32)
+            code = idx | ((q.to(tl.int32, bitcast=True) >> 28) & 8)
+        else:
+            code = _e2m1_nearest_code(y)
         even, odd = tl.split(tl.reshape(code, (BV, BK // 2, 2)))
         half = tl.arange(0, BK // 2)
         tl.store(v_ptr + row * (W // 2) + half[None, :], (even | (odd << 4)).to(tl.uint8),
