@@ -636,8 +636,10 @@ def test_step_shapes_follow_the_policy():
     assert [launch.step_shape(fp4, "gdn", T, batch=b)[:5] for T, b in ((1, 256), (4, 256), (1, 8), (4, 8))] == [
         (64, 1, 0, True, 2), (32, 1, 0, True, 2), (32, 4, 0, False, 0), (32, 1, 0, True, 2)]
     assert launch.step_shape(fp4, "gdn", 1).beside and not launch.step_shape(fp4, "gdn", 4).beside
-    kda4 = rs.KDACache(1, 1, 2, 32, 128, precision="tp4_hi32")  # KDA keeps 32-row NVFP4 decodes
-    assert launch.step_shape(kda4, "kda", 1)[:2] == (32, 1)
+    kda4 = rs.KDACache(1, 1, 2, 32, 128, precision="tp4_hi32")  # KDA: GDN's NVFP4 decodes, with a refresh launch
+    assert [launch.step_shape(kda4, "kda", 1, batch=b)[:5] for b in (256, 32)] == [
+        (64, 1, 0, True, 2), (32, 4, 0, False, 0)]
+    assert launch.step_shape(kda4, "kda", 1).split and not launch.step_shape(kda4, "kda", 1).beside
     # Mamba-2 NVFP4 and fp8: 64-row programs from batch 64 on (NVFP4 decode beside), 32 rows below
     m4 = rs.Mamba2Cache(1, 2, 64, 128, precision="tp4_hi32")
     assert [launch.step_shape(m4, "mamba2", T)[:5] for T in (1, 2)] == [(64, 1, 0, False, 0), (64, 2, 0, True, 3)]

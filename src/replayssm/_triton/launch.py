@@ -569,7 +569,8 @@ SMALL_BATCH_SHAPES = {
 # others (KDA's launches have no side stream). Swept for KDA at Kimi-Linear-48B's geometry (H100,
 # one run, batch 256, us): none beat them by more than 2% (decode s32_rs 340.9, 339.1 at 64 x 2;
 # tp16_hi32 276.0, 271.3 at 32 x 2; verify of 4 drafts s32_rs 642.8, 642.7 at 32 x 1; tp16_hi32
-# 586.8, 588.5 at 64 x 1; 2-warp, streamed-product and 4-warp-refresh shapes 1-15% slower)
+# 586.8, 588.5 at 64 x 1; 2-warp, streamed-product and 4-warp-refresh shapes 1-15% slower); NVFP4 decode
+# at 64 x 1, as GDN's, 285.0 against 330.9 at 32 x 1
 SHAPES.update({("kda", fmt): tuple((least, dict(fields, beside=False, split=True) if fields.get("beside") else fields)
                                    for least, fields in entries)
                for (arch, fmt), entries in list(SHAPES.items()) if arch == "gdn"})
