@@ -226,35 +226,16 @@ def global_scale_index(mat, r0, BV: tl.constexpr, DV: tl.constexpr):
 
 
 #: e2m1 pairs on the GPU: four bytes per 32-bit register; each pair of bytes spread to the two
-#: 16-bit lanes of a register (``prmt``), then a nibble's sign bit and its exponent-mantissa bits
-#: shifted into place in both lanes at once, so that each instruction makes two fp16 values.
-_E2M1_PAIRS_ASM = tl.constexpr("""
-{
-.reg .b32 a, b, t, u;
-prmt.b32 a, $4, 0, 0x4140;
-prmt.b32 b, $4, 0, 0x4342;
-shl.b32 t, a, 9;
-and.b32 t, t, 0x0E000E00;
-shl.b32 u, a, 12;
-and.b32 u, u, 0x80008000;
-or.b32 $0, t, u;
-shl.b32 t, b, 9;
-and.b32 t, t, 0x0E000E00;
-shl.b32 u, b, 12;
-and.b32 u, u, 0x80008000;
-or.b32 $1, t, u;
-shl.b32 t, a, 5;
-and.b32 t, t, 0x0E000E00;
-shl.b32 u, a, 8;
-and.b32 u, u, 0x80008000;
-or.b32 $2, t, u;
-shl.b32 t, b, 5;
-and.b32 t, t, 0x0E000E00;
-shl.b32 u, b, 8;
-and.b32 u, u, 0x80008000;
-or.b32 $3, t, u;
-}
-""")
+#: 16-bit lanes of a register (``prmt``: a = bytes 0 and 1, b = bytes 2 and 3), then a nibble's
+#: sign bit (to bit 15) and its exponent-mantissa bits (to bits 11..9) shifted and masked into place
+#: in both lanes at once, so that each instruction makes two fp16 values. Outputs $0, $1: the low
+#: nibbles of a and b; $2, $3: their high nibbles (4 bits further up, so shifted 4 less).
+_E2M1_PAIRS_ASM = tl.constexpr(
+    "{\n.reg .b32 a, b, t, u;\nprmt.b32 a, $4, 0, 0x4140;\nprmt.b32 b, $4, 0, 0x4342;\n"
+    + "".join(f"shl.b32 t, {lanes}, {9 - up};\nand.b32 t, t, 0x0E000E00;\n"
+              f"shl.b32 u, {lanes}, {12 - up};\nand.b32 u, u, 0x80008000;\nor.b32 ${out}, t, u;\n"
+              for out, (lanes, up) in enumerate((("a", 0), ("b", 0), ("a", 4), ("b", 4))))
+    + "}")
 
 
 @triton.jit
