@@ -653,6 +653,15 @@ def test_step_shapes_follow_the_policy():
         assert [launch.step_shape(cache, arch, T, batch=b).fused
                 for b, T in ((1, 1), (2, 2), (3, 1), (1, 5))] == [arch != "kda"] * 2 + [False] * 2
     assert launch.step_shape(wide, "gdn", 1, batch=1)[:2] == (32, 2)
+    # Mamba-2's one launch from fp32 and 2-byte read copies: 4 warps at batch 1 and for decode at batch 2
+    m32 = rs.Mamba2Cache(1, 2, 64, 128, max_draft=4)
+    assert [launch.step_shape(m32, "mamba2", T, batch=b).warps for b, T in ((1, 1), (1, 4), (2, 1), (2, 2))] == [
+        4, 4, 4, 2]
+    assert launch.step_shape(m8, "mamba2", 1, batch=1).warps == 2
+    # GDN's refresh launch capped at 168 registers from fp8 and NVFP4 read copies of fp32 anchors only
+    assert [launch.step_shape(rs.GDNCache(1, 1, 2, 32, 128, precision=p), "gdn", T).refresh_maxnreg
+            for p, T in (("tp8_hi32", 1), ("tp8_hi32", 4), ("tp4_hi32", 1), ("tp4_hi32", 2), ("tp4_hi16_sr", 1),
+                         ("f4_sr_rs", 2))] == [168, 168, 168, 168, 0, 0]
     # verify rounds of 3 and 4 drafts too, from fp32 and 2-byte read copies; GDN's with streamed products
     for preset, one in (("s32_rs", True), ("tp16_hi32", True), ("tpbf16_hi32", True), ("tp8_hi32", False)):
         for arch, cache in (("gdn", rs.GDNCache(1, 1, 2, 32, 64, precision=preset, max_draft=8)),

@@ -486,7 +486,13 @@ class StepShape(NamedTuple):
 #:   drafts s32_rs 745.2 at 168 against 761.7 at 128 (H100, one run; uncapped 789.7 against 768.6 in
 #:   another; the refresh a branch of the step instead: 739.9, and 744.5 against 745.1 in a third run,
 #:   1229.5 against 1222.0 for 8 drafts); GDN verify from fp32 caps the step kernel at 168 (794.9
-#:   against 831.2, no spills). NVFP4 takes none (a cap of 128 spills 1.4 KB with a 2-byte anchor);
+#:   against 831.2, no spills); from fp8 and NVFP4 read copies at 168 too (H100, two runs each, us:
+#:   tp8_hi32 decode 275.0 / 275.6 against 280.6 / 281.4 at 128 and 284.2 uncapped, verify of 4
+#:   drafts 609.0 / 612.3 against 659.8 / 653.6 and 648.7; tp4_hi32 decode 288.2 / 289.0 against
+#:   298.2 / 297.0 uncapped (255 registers, 24 B spilled), 295.1 at 144, verify of 2 drafts 458.0 /
+#:   453.9 against 461.7 / 460.0, of 4 720.5 / 704.6 against 723.1 / 741.1); not for an NVFP4 read
+#:   copy of a 2-byte or NVFP4 anchor, whose refresh spills even uncapped (tp4_hi16_sr: 284 B at 255
+#:   registers, 880 B at 168);
 #: - GDN verify of 4 drafts takes its read-copy products on tensor cores, streamed (805.0; from
 #:   the tile loaded whole 934.5, a form since deleted; row reductions 877.3), of exact operands
 #:   from 2-byte and fp8 read copies (``formats.exact_operand_products``: tp16_hi32 679.0 against
@@ -544,10 +550,10 @@ SHAPES = {
                       (2, dict(rows=64, warps=2, refresh_maxnreg=168, **_VERIFY_DOT))),
     ("gdn", "bf16"): ((1, dict(refresh_maxnreg=168, **_BESIDE)),
                       (2, dict(rows=64, warps=2, refresh_maxnreg=168, **_VERIFY_DOT))),
-    ("gdn", "fp8_e4m3"): ((1, dict(refresh_maxnreg=128)), (2, dict(rows=64, refresh_maxnreg=128, **_VERIFY_DOT)),
-                          (4, dict(rows=64, refresh_maxnreg=128, beside=True, **_VERIFY_DOT))),
-    ("gdn", "nvfp4"): ((1, dict(rows=64, output_dot=True, stream=2, beside=True)),
-                       (2, dict(output_dot=True, stream=2))),
+    ("gdn", "fp8_e4m3"): ((1, dict(refresh_maxnreg=168)), (2, dict(rows=64, refresh_maxnreg=168, **_VERIFY_DOT)),
+                          (4, dict(rows=64, refresh_maxnreg=168, beside=True, **_VERIFY_DOT))),
+    ("gdn", "nvfp4"): ((1, dict(rows=64, output_dot=True, stream=2, beside=True, refresh_maxnreg=168)),
+                       (2, dict(output_dot=True, stream=2, refresh_maxnreg=168))),
 }
 #: Entries of ``SHAPES`` that differ below SPLIT_MIN_BATCH rows, in the same form, applied over
 #: them: where fewer programs share the GPU, smaller or reduction-bound programs measured faster
@@ -702,6 +708,12 @@ FUSED_ARCHS = ("mamba2", "gdn")
 FUSED_VERIFY_MAX_T = 4
 FUSED_VERIFY_FORMATS = ("fp32", "fp16", "bf16")
 FUSED_DOT_MIN_T = 3
+#: Mamba-2's one launch from fp32 and 2-byte read copies runs 4-warp programs where they are fewest:
+#: at batch 1, and decode at batch 2 (H100, one run, staggered, us, 2 -> 4 warps: batch 1 s32_rs
+#: decode 4.9 -> 4.8, verify of 2 drafts 7.7 -> 7.3, of 4 11.4 -> 11.4; tp16_hi32 4.7 -> 4.7, 7.6 ->
+#: 7.3, 11.4 -> 11.0; batch 2 s32_rs decode 7.7 -> 7.2, but verify of 2 drafts 9.9 -> 10.3, of 4 14.0
+#: -> 20.0). Its anchors are the 2-warp programs' bits (``refresh_bits.py``, decode and 2 drafts).
+FUSED_WIDE_WARPS = 4
 
 
 def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> StepShape:
@@ -738,7 +750,11 @@ def step_shape(cache, arch: str, T: int = 1, batch: int = SPLIT_MIN_BATCH) -> St
     most = FUSED_VERIFY_MAX_T if fmt in FUSED_VERIFY_FORMATS else FUSED_MAX_T
     if batch <= FUSED_MAX_BATCH and T <= most and arch in FUSED_ARCHS:
         dot = arch == "gdn" and T >= FUSED_DOT_MIN_T
-        found = found._replace(**dict(FUSED_SHAPE, output_dot=dot, stream=2 if dot else 0))
+        wide = arch == "mamba2" and fmt in FUSED_VERIFY_FORMATS and (batch == 1 or T == 1)
+        found = found._replace(**dict(FUSED_SHAPE, output_dot=dot, stream=2 if dot else 0,
+                                      warps=FUSED_WIDE_WARPS if wide else FUSED_SHAPE["warps"]))
+    if fmt == "nvfp4" and cache.precision.anchor.name != "fp32":  # NVFP4's cap is for fp32 anchors only
+        found = found._replace(refresh_maxnreg=0)
     # TUNING also holds launch options that are no shape field ("pdl", ``programmatic``)
     found = found._replace(**{key: value for key, value in TUNING.items() if key in StepShape._fields})
     if found.fused:  # GDN's may take its products on tensor cores (``TUNING``), from the keys it prepares
