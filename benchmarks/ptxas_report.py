@@ -40,8 +40,10 @@ GEOMETRY = {"mamba2": dict(nheads=128, headdim=64, dstate=128, ngroups=8, buffer
 HEAD_DIMS = {"mamba2": ("headdim", "dstate"), "gdn": ("head_v_dim", "head_k_dim"), "kda": ("head_v_dim", "head_k_dim")}
 
 
-def record_step(arch: str, preset: str, T: int = 1, tree: bool = False, dims=None, activations=torch.bfloat16):
-    """The (kernel, args, kwargs) of one decode (T = 1) or verify step, recorded, not run; with
+def record_step(arch: str, preset: str, T: int = 1, tree: bool = False, dims=None, activations=torch.bfloat16,
+                slots: int = 2):
+    """The (kernel, args, kwargs) of one decode (T = 1) or verify step over ``slots`` slots (1 or
+    2), recorded, not run; with
     ``tree``, a verify of a draft tree (every draft a child of the root's first child); ``dims``:
     (dv, dk) in place of the geometry's; ``activations``: the per-token inputs' dtype (the
     benchmarks' bf16 by default; gates and per-head constants stay fp32)."""
@@ -51,7 +53,7 @@ def record_step(arch: str, preset: str, T: int = 1, tree: bool = False, dims=Non
     try:
         g = torch.Generator().manual_seed(0)
         r = lambda *s: torch.randn(*s, generator=g).to(activations)  # noqa: E731
-        b, slots = 2, torch.arange(2)
+        b, slots = slots, torch.arange(slots)
         parents = dict(parents=torch.tensor([[-1] + [0] * (T - 1)] * b)) if tree else {}
         if arch == "mamba2":
             c = rs.Mamba2Cache(2, window=16, max_draft=max(4, T), precision=preset, **geometry)
@@ -174,7 +176,8 @@ def main(argv=None):
                     help="also write each step kernel's machine code (nvdisasm) to "
                          "DIR/<arch>_<preset>_<shape>_T<draft>.sass")
     ap.add_argument("--batch", type=int, default=256,
-                    help="the batch whose default launches to compile (steps are recorded on two slots)")
+                    help="the batch whose default launches to compile (steps are recorded on two slots, or one "
+                         "for batch 1)")
     args = ap.parse_args(argv)
     if args.batch >= launch.SPLIT_MIN_BATCH:
         launch.SPLIT_MIN_BATCH = 1  # the two recorded slots take the launches of a large batch
@@ -194,7 +197,8 @@ def main(argv=None):
                     launch.TUNING.update(launch.parse_shape(shape))
                 dims = None if args.dims is None else tuple(int(d) for d in args.dims.split(","))
                 activations = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.activations]
-                for kernel, a, kw in record_step(arch, preset, args.draft, args.tree, dims, activations):
+                for kernel, a, kw in record_step(arch, preset, args.draft, args.tree, dims, activations,
+                                                   min(args.batch, 2)):
                     if not any(part in kernel.fn.__name__ for part in ("step", "refresh", "scores", "solve")):
                         continue
                     label = kernel_label(kernel, kw)

@@ -662,6 +662,9 @@ def test_step_shapes_follow_the_policy():
     assert [launch.step_shape(rs.GDNCache(1, 1, 2, 32, 128, precision=p), "gdn", T).refresh_maxnreg
             for p, T in (("tp8_hi32", 1), ("tp8_hi32", 4), ("tp4_hi32", 1), ("tp4_hi32", 2), ("tp4_hi16_sr", 1),
                          ("f4_sr_rs", 2))] == [168, 168, 168, 168, 0, 0]
+    # KDA: GDN's caps, none from NVFP4 read copies
+    assert [launch.step_shape(rs.KDACache(1, 1, 2, 32, 128, precision=p), "kda", 1).refresh_maxnreg
+            for p in ("s32_rs", "tp8_hi32", "tp4_hi32")] == [128, 168, 0]
     # verify rounds of 3 and 4 drafts too, from fp32 and 2-byte read copies; GDN's with streamed products
     for preset, one in (("s32_rs", True), ("tp16_hi32", True), ("tpbf16_hi32", True), ("tp8_hi32", False)):
         for arch, cache in (("gdn", rs.GDNCache(1, 1, 2, 32, 64, precision=preset, max_draft=8)),

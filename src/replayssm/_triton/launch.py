@@ -336,6 +336,12 @@ def step_launches(kernel, tile, b, shape, programs, rounds, args, consts, extra,
         run(kernel, (*tile, b), *args, REFRESH=not shape.split, DUE=every, ROUNDS=1, **extra, **consts)
 
 
+def register_cap(maxnreg: int) -> dict:
+    """The launch option capping a kernel's registers per thread at ``maxnreg`` (ptxas), none for 0
+    (``StepShape.maxnreg``, ``StepShape.refresh_maxnreg``)."""
+    return {"maxnreg": maxnreg} if maxnreg else {}
+
+
 def token_strides(t) -> tuple[int, int, int, int]:
     """Strides (batch, token, head, element), in elements, of a [b, T, heads, width] input, or of
     a [b, T, heads] one seen as width 1: how every kernel indexes a caller's per-token tensor, so
@@ -576,8 +582,14 @@ SMALL_BATCH_SHAPES = {
 # one run, batch 256, us): none beat them by more than 2% (decode s32_rs 340.9, 339.1 at 64 x 2;
 # tp16_hi32 276.0, 271.3 at 32 x 2; verify of 4 drafts s32_rs 642.8, 642.7 at 32 x 1; tp16_hi32
 # 586.8, 588.5 at 64 x 1; 2-warp, streamed-product and 4-warp-refresh shapes 1-15% slower); NVFP4 decode
-# at 64 x 1, as GDN's, 285.0 against 330.9 at 32 x 1
-SHAPES.update({("kda", fmt): tuple((least, dict(fields, beside=False, split=True) if fields.get("beside") else fields)
+# at 64 x 1, as GDN's, 285.0 against 330.9 at 32 x 1. GDN's register caps on the refresh launch, which
+# uncapped takes 246-255 registers (H100, one run, batch 256, us, capped against uncapped: decode
+# s32_rs 347.5 / 349.6, tp16_hi32 298.4 / 300.9, tp8_hi32 246.0 / 250.3; verify of 4 drafts 652.3 /
+# 668.2, 595.3 / 608.6, 575.3 / 592.7), but none from NVFP4 read copies (tp4_hi32 decode 279.0 and
+# 277.1 at 168 against 273.0 and 273.1 uncapped, two runs)
+_KDA_OVER = {"beside": dict(beside=False, split=True), "nvfp4": dict(refresh_maxnreg=0)}
+SHAPES.update({("kda", fmt): tuple((least, dict(fields, **(_KDA_OVER["beside"] if fields.get("beside") else {}),
+                                                **_KDA_OVER.get(fmt, {})))
                                    for least, fields in entries)
                for (arch, fmt), entries in list(SHAPES.items()) if arch == "gdn"})
 SMALL_BATCH_SHAPES.update({("kda", fmt): entries for (arch, fmt), entries in list(SMALL_BATCH_SHAPES.items())

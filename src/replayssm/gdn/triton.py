@@ -682,7 +682,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
                        PIN=shape.pin, STAGES=shape.stages, READ_AFTER=read_after,
                        LEVELS=launch.inverse_levels(LP), SOLVE_HERE=shape.solve_here,
                        num_warps=shape.warps, **consts, **advance_consts, **tokens_consts)
-    extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
+    extra = launch.register_cap(shape.maxnreg)
     if shape.fused:  # one launch: every program prepares its own inputs, and solves its own refresh
         if gate is not None:  # the raw gates in place of g and beta; g and beta are the advance's copies
             g_in, beta_in, alog, dtb = a, bg, A_log, dt_bias
@@ -722,7 +722,7 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
     refresh_consts = dict(T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP, FR=FR, KC=KC, STAGES=shape.stages,
                           READ_AFTER=read_after, ROUNDS=rounds, SOLVE_HERE=shape.solve_here,
                           LEVELS=launch.inverse_levels(LP), num_warps=shape.refresh_warps, **consts,
-                          **({"maxnreg": shape.refresh_maxnreg} if shape.refresh_maxnreg else {}))
+                          **launch.register_cap(shape.refresh_maxnreg))
     # the scores launch's prepared q, k; the fused-only inputs unused (zero strides: one compile)
     step_args = (slots, cursors, cache.tokens, cache.seeds, tinv, decays, *anchor, *read, buf["k"], buf["k_scale"],
                  buf["v"], buf["beta"], buf["u"], qn, kn, v, *strides(v), beta, *strides(beta)[:3], scores, gammas, o,

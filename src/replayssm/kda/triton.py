@@ -411,8 +411,8 @@ def step(cache, slots, q, k, v, g, beta, scale: float, normalize: bool, commit: 
                    *anchor, *read, buf["v"], buf["beta"], due, HV, T=T, L=cache.window, LP=LP, DV=V, DK=K, DKP=DKP,
                    FR=FR,
                    KC=KC, STAGES=shape.stages, READ_AFTER=read_after, ROUNDS=rounds, num_warps=shape.refresh_warps,
-                   **consts)
-    extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
+                   **consts, **launch.register_cap(shape.refresh_maxnreg))
+    extra = launch.register_cap(shape.maxnreg)
     advanced, advance_consts = launch.advance_args(cache, commit, {"k": k, "k_scale": k_scale, "g": g, "beta": beta})
     launch.run(
         _kda_step_kernel, (V // shape.rows, HV, b),

@@ -472,7 +472,7 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
                        HAS_D=D is not None, HAS_Z=z is not None, PIN=shape.pin, STAGES=shape.stages,
                        READ_AFTER=read_after, OUTPUT_DOT=shape.output_dot, QP=max(16, triton.next_power_of_2(T)),
                        STREAM=shape.stream, num_warps=shape.warps, **consts, **advance_consts)
-    extra = {"maxnreg": shape.maxnreg} if shape.maxnreg else {}
+    extra = launch.register_cap(shape.maxnreg)
     step_inputs = (x, *strides(x), C, *strides(C), x if D is None else D, launch.head_stride(D),
                    x if z is None else z, *strides(x if z is None else z))
     if shape.fused:  # one launch: every program prepares its own head's inputs and refresh scalars
@@ -502,7 +502,8 @@ def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit:
     refresh = (slots, cursors, cache.tokens, cache.seeds, fold_w, fold_decay, *anchor, *read,
                buf["x"], buf["B"], due, H, G)
     refresh_consts = dict(T=T, L=cache.window, LP=LP, DV=P, DK=N, DKP=DKP, FR=FR, KC=KC, STAGES=shape.stages,
-                          READ_AFTER=read_after, ROUNDS=rounds, num_warps=shape.refresh_warps, **consts)
+                          READ_AFTER=read_after, ROUNDS=rounds, num_warps=shape.refresh_warps, **consts,
+                          **launch.register_cap(shape.refresh_maxnreg))
     # the fused-only inputs unused (zero strides: one compile)
     step_args = (slots, cursors, cache.tokens, cache.seeds, fold_w, fold_decay, *anchor, *read, buf["x"], buf["B"],
                  *step_inputs, scores, gammas, y, due, cache.scratch_row, H, G, B, 0, 0, 0, 0, B, 0, 0, 0, B, 0, B, 0,
