@@ -120,12 +120,13 @@ def test_steps_of_one_launch_assemble_without_spills(tmp_path):
     step launch alone, whose programs prepare their inputs and solve their refresh themselves: both
     layer kinds fit in registers, or nearly, at the policy's 32 rows (GDN 2 warps, Mamba-2 4 at batch
     1, ``launch.FUSED_WIDE_WARPS``; GDN's keys' products taken 32 columns at a time,
-    ``gdn.triton._gram``: a whole [16, 128] tile of keys spilled 0.5 KB). At 255 registers GDN's verify of 2 drafts may spill up to 32 bytes in its refresh branch,
-    whose products take the keys as buffered (``formats.exact_b_products``; measured no slower: H100,
-    batch 1, 16.9 against 17.2 us per round with 3-pass tf32), its verify of 4 drafts 8 bytes (the
-    keys' norms as tensor-core products, ``window._square_norm``, took the last registers) and its
-    decode 12 (the refresh's chunks of keys all in flight at once, ``gdn.triton._gram``: measured
-    faster, H100, batch 1, 6.9 -> 5.9 us per step with the loads issued first)."""
+    ``gdn.triton._gram``: a whole [16, 128] tile of keys spilled 0.5 KB). At 255 registers GDN's
+    verify of 2 drafts may spill up to 32 bytes in its refresh branch, whose products take the keys
+    as buffered (``formats.exact_b_products``; measured no slower: H100, batch 1, 16.9 against 17.2
+    us per round with 3-pass tf32), its verify of 4 drafts 8 bytes (the keys' norms as tensor-core
+    products, ``window._square_norm``, took the last registers) and its decode 12 (the refresh's
+    chunks of keys all in flight at once, ``gdn.triton._gram``: measured faster, H100, batch 1, 6.9
+    -> 5.9 us per step with the loads issued first)."""
     allowances = {("gdn", "1"): 12, ("gdn", "2"): 32, ("gdn", "4"): 8}
     for draft in ("1", "2", "3", "4"):
         rows = [line.split() for line in _compile_for_sm90(
@@ -135,8 +136,8 @@ def test_steps_of_one_launch_assemble_without_spills(tmp_path):
         for arch, preset, shape, kernel, regs, spills, *_ in rows:
             stores, loads = (int(n) for n in spills.split("/"))
             allowed = allowances.get((arch, draft), 0)
-            assert shape == ("32x4" if arch == "mamba2" else "32x2") and 0 < int(regs) <= 255 and stores <= allowed and loads <= allowed, \
-                (arch, draft, shape, regs, spills)
+            assert shape == ("32x4" if arch == "mamba2" else "32x2"), (arch, draft, shape)
+            assert 0 < int(regs) <= 255 and stores <= allowed and loads <= allowed, (arch, draft, shape, regs, spills)
 
 
 def test_steps_of_one_launch_issue_their_loads_before_their_barriers(tmp_path):
