@@ -587,10 +587,14 @@ SMALL_BATCH_SHAPES = {
 # s32_rs 347.5 / 349.6, tp16_hi32 298.4 / 300.9, tp8_hi32 246.0 / 250.3; verify of 4 drafts 652.3 /
 # 668.2, 595.3 / 608.6, 575.3 / 592.7), but none from NVFP4 read copies (tp4_hi32 decode 279.0 and
 # 277.1 at 168 against 273.0 and 273.1 uncapped, two runs)
-_KDA_OVER = {"beside": dict(beside=False, split=True), "nvfp4": dict(refresh_maxnreg=0)}
-SHAPES.update({("kda", fmt): tuple((least, dict(fields, **(_KDA_OVER["beside"] if fields.get("beside") else {}),
-                                                **_KDA_OVER.get(fmt, {})))
-                                   for least, fields in entries)
+def _kda_fields(fmt: str, fields: dict) -> dict:
+    """A GDN entry's fields as KDA takes them: a refresh launch in place of a side stream, and no
+    register cap on the refresh launch from NVFP4 read copies."""
+    out = dict(fields, beside=False, split=True) if fields.get("beside") else dict(fields)
+    return dict(out, refresh_maxnreg=0) if fmt == "nvfp4" else out
+
+
+SHAPES.update({("kda", fmt): tuple((least, _kda_fields(fmt, fields)) for least, fields in entries)
                for (arch, fmt), entries in list(SHAPES.items()) if arch == "gdn"})
 SMALL_BATCH_SHAPES.update({("kda", fmt): entries for (arch, fmt), entries in list(SMALL_BATCH_SHAPES.items())
                            if arch == "gdn"})
