@@ -123,11 +123,12 @@ def test_steps_of_one_launch_assemble_without_spills(tmp_path):
     ``gdn.triton._gram``: a whole [16, 128] tile of keys spilled 0.5 KB). At 255 registers GDN's
     verify of 2 drafts may spill up to 32 bytes in its refresh branch, whose products take the keys
     as buffered (``formats.exact_b_products``; measured no slower: H100, batch 1, 16.9 against 17.2
-    us per round with 3-pass tf32), its verify of 4 drafts 8 bytes (the keys' norms as tensor-core
-    products, ``window._square_norm``, took the last registers) and its decode 12 (the refresh's
+    us per round with 3-pass tf32), its verify of 4 drafts 16 bytes (the keys' norms as tensor-core
+    products, ``window._square_norm``, took the last registers) and its decode 20 (the refresh's
     chunks of keys all in flight at once, ``gdn.triton._gram``: measured faster, H100, batch 1, 6.9
-    -> 5.9 us per step with the loads issued first)."""
-    allowances = {("gdn", "1"): 12, ("gdn", "2"): 32, ("gdn", "4"): 8}
+    -> 5.9 us per step with the loads issued first; then every load before the cursor,
+    ``window.fused_item``, 8 bytes more)."""
+    allowances = {("gdn", "1"): 20, ("gdn", "2"): 32, ("gdn", "4"): 16}
     for draft in ("1", "2", "3", "4"):
         rows = [line.split() for line in _compile_for_sm90(
             tmp_path, PTXAS_REPORT, "--arch", "mamba2,gdn", "--presets", "s32_rs", "--batch", "1", "--draft",
@@ -140,22 +141,56 @@ def test_steps_of_one_launch_assemble_without_spills(tmp_path):
             assert 0 < int(regs) <= 255 and stores <= allowed and loads <= allowed, (arch, draft, shape, regs, spills)
 
 
-def test_steps_of_one_launch_issue_their_loads_before_their_barriers(tmp_path):
-    """A decode step of one launch (batch 1 and 2) is a chain of round trips to memory, and a load
-    the compiler places after a barrier (a tensor-core product's, or a layout conversion's, which it
-    moves up to the load it converts) waits for every load before it. So between the read copy's
-    first load and the advance's atomic, the step programs of both layer kinds issue no global load
-    after a barrier: the window, the new tokens' inputs and the state tile all go out before the
-    first one (docs/gpu.md, "Loads before barriers": H100, batch 1, GDN 6.9 -> 5.9 us per step,
-    Mamba-2 5.7 -> 5.0). The code before issued 16 (GDN) and 18 (Mamba-2) loads there."""
+def _listing(path):
+    """The SASS listing at ``path`` as (op, branch target, predicated) per instruction and ("label",
+    name, False) per label, in order."""
+    items = []
+    for line in path.read_text().splitlines():
+        label = re.match(r"\s*(\.L_x_\d+):", line)
+        op = re.search(r"/\*[0-9a-f]{4,}\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)", line)
+        if label:
+            items.append(("label", label.group(1), False))
+        elif op:
+            target = re.search(r"`\((\.L_x_\d+)\)", op.group(3))
+            items.append((op.group(2), target.group(1) if target else None, op.group(1) is not None))
+    return items
+
+
+def _path_loads(items, i, end):
+    """The global loads on the path from instruction ``i`` to ``end`` that follows fall-throughs and
+    unconditional branches (not loops: the paths checked have none)."""
+    loads = []
+    while i < end:
+        op, target, predicated = items[i]
+        if op == "BRA" and not predicated:
+            i = items.index(("label", target, False))
+            continue
+        if op.startswith("LDG") and not op.startswith(("LDGSTS", "LDGDEPBAR")):
+            loads.append(op)
+        i += 1
+    return loads
+
+
+def test_steps_of_one_launch_issue_their_loads_before_their_cursor(tmp_path):
+    """A decode step of one launch (batch 1 and 2) is a chain of round trips to memory: the slot id,
+    then what its storage row locates. The step programs of both layer kinds issue their read copy,
+    the whole window and the new tokens' inputs before the first branch, which waits for the
+    committed count (the refresh's: ``window.fused_item``), and on the path that does not refresh
+    no global load after it up to the advance (whose cursors every program loads before its count):
+    a load the compiler places after a barrier (a tensor-core product's, or a layout conversion's)
+    waits for every load before it. The code before issued the read copy after the branch, and 16
+    (GDN) and 18 (Mamba-2) loads after a barrier."""
     listings = tmp_path / "sass"
     _compile_for_sm90(tmp_path, PTXAS_REPORT, "--arch", "mamba2,gdn", "--presets", "s32_rs", "--batch", "1",
                       "--draft", "1", "--sass", str(listings))
     for arch in ("mamba2", "gdn"):
-        ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)",
-                         (listings / f"{arch}_s32_rs_default_T1.sass").read_text())
-        tile = next(i for i, op in enumerate(ops) if op.startswith("LDG.E.EF"))  # the read copy (evict-first)
-        barrier = next(i for i in range(tile, len(ops)) if ops[i].startswith("BAR.SYNC"))
-        atomic = next(i for i in range(barrier, len(ops)) if ops[i].startswith("ATOMG"))
-        late = [op for op in ops[barrier:atomic] if op.startswith("LDG") and not op.startswith(("LDGSTS", "LDGDEPBAR"))]
-        assert late == [], (arch, late)
+        items = _listing(listings / f"{arch}_s32_rs_default_T1.sass")
+        ops = [op for op, _, _ in items]
+        tile = ops.index(next(op for op in ops if op.startswith("LDG.E.EF")))  # the read copy (evict-first)
+        branch = ops.index("BRA")
+        assert tile < branch and items[branch][2], (arch, tile, branch)
+        atomic = ops.index(next(op for op in ops if op.startswith("ATOMG")))
+        advance = max(i for i in range(atomic) if ops[i].startswith("BAR.SYNC"))  # the advance's barrier
+        taken = _path_loads(items, items.index(("label", items[branch][1], False)), advance)
+        fall = _path_loads(items, branch + 1, advance)
+        assert [] in (taken, fall), (arch, taken, fall)  # one of them is the refresh's

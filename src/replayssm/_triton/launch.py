@@ -97,7 +97,7 @@ def advance_row(pid_b, valid, row, start, need, first, counted, tokens_ptr, comm
                 s4e: tl.constexpr, d4, T: tl.constexpr, L: tl.constexpr, COMMIT: tl.constexpr, F1: tl.constexpr,
                 F1P: tl.constexpr, W1: tl.constexpr, F2: tl.constexpr, F2P: tl.constexpr, W2: tl.constexpr,
                 F3: tl.constexpr, F3P: tl.constexpr, W3: tl.constexpr, F4: tl.constexpr, F4P: tl.constexpr,
-                W4: tl.constexpr):
+                W4: tl.constexpr, DIRECT: tl.constexpr):
     """The last statement of a step program on batch row ``pid_b`` (storage ``row``, ``valid``: not
     a pad): one program per batch row advances it, writing the new tokens' shared buffer fields,
     three or four (s_i, a [b, T, ...] view of strides s_ib, s_it, s_ih, s_ie, into the contiguous
@@ -106,30 +106,41 @@ def advance_row(pid_b, valid, row, start, need, first, counted, tokens_ptr, comm
     row's buffered shared fields (``counted`` false: no refresh folds in this launch), the
     ``first`` one (row block 0 of head 0); otherwise the last of the row's programs to finish,
     counted in ``done`` [rows] (then reset to zero), because the fold of the others reads the
-    entries the new tokens overwrite. So the advance needs no launch of its own."""
+    entries the new tokens overwrite. So the advance needs no launch of its own.
+
+    DIRECT (a step of one launch): where the row does not refresh, the programs that prepare the
+    fields have stored them into the buffer themselves (no program reads those entries), so the
+    last program only moves the cursors, and counts itself with a relaxed atomic: it then reads
+    nothing the others wrote, and every program's loads of the row's cursor and window have
+    returned before its count, since the outputs it stored before depend on them. At batch 1 the
+    advance is the step's tail: the fence of an acquire-release count and the round trip of the
+    fields' loads were two of its round trips."""
     if valid:
         go = first
         if counted:
             tl.debug_barrier()  # every thread of the program is done with the row's entries
-            go = tl.atomic_add(done_ptr + row, 1, sem="acq_rel") == tl.num_programs(0) * tl.num_programs(1) - 1
+        refreshes, tokens = tl.load(refreshes_ptr + row), tl.load(tokens_ptr + row)  # before the count: no wait
+        if counted:
+            last = tl.num_programs(0) * tl.num_programs(1) - 1
+            if DIRECT:
+                if need:
+                    go = tl.atomic_add(done_ptr + row, 1, sem="acq_rel") == last
+                else:
+                    go = tl.atomic_add(done_ptr + row, 1, sem="relaxed") == last
+            else:
+                go = tl.atomic_add(done_ptr + row, 1, sem="acq_rel") == last
             if go:
                 tl.store(done_ptr + row, 0)
         if go:
-            # every load of a token issued before its stores: at batch 1 the advance is the step's
-            # tail, a round trip per load that waits on a store. A token at a time, in a loop that is
-            # not unrolled: a whole [T, F] tile (GDN's k: 2048 elements per token) made the step
-            # kernels that run under a register cap spill
-            refreshes, tokens = tl.load(refreshes_ptr + row), tl.load(tokens_ptr + row)
-            for s in tl.range(0, T, num_stages=1):
-                f1 = _field_at(s1, s1b, s1t, s1h, s1e, pid_b, s, F1, F1P, W1)
-                f2 = _field_at(s2, s2b, s2t, s2h, s2e, pid_b, s, F2, F2P, W2)
-                f3 = _field_at(s3, s3b, s3t, s3h, s3e, pid_b, s, F3, F3P, W3)
-                if F4 > 0:
-                    f4 = _field_at(s4, s4b, s4t, s4h, s4e, pid_b, s, F4, F4P, W4)
-                    _store_field(f4, d4, row, start + s, L, F4, F4P)
-                _store_field(f1, d1, row, start + s, L, F1, F1P)
-                _store_field(f2, d2, row, start + s, L, F2, F2P)
-                _store_field(f3, d3, row, start + s, L, F3, F3P)
+            if DIRECT:
+                if need:
+                    _copy_fields(pid_b, row, start, s1, s1b, s1t, s1h, s1e, d1, s2, s2b, s2t, s2h, s2e, d2, s3, s3b,
+                                 s3t, s3h, s3e, d3, s4, s4b, s4t, s4h, s4e, d4, T, L, F1, F1P, W1, F2, F2P, W2, F3,
+                                 F3P, W3, F4, F4P, W4)
+            else:
+                _copy_fields(pid_b, row, start, s1, s1b, s1t, s1h, s1e, d1, s2, s2b, s2t, s2h, s2e, d2, s3, s3b, s3t,
+                             s3h, s3e, d3, s4, s4b, s4t, s4h, s4e, d4, T, L, F1, F1P, W1, F2, F2P, W2, F3, F3P, W3,
+                             F4, F4P, W4)
             if need:
                 tl.store(refreshes_ptr + row, refreshes + 1)
             if COMMIT:
@@ -139,6 +150,31 @@ def advance_row(pid_b, valid, row, start, need, first, counted, tokens_ptr, comm
             else:
                 tl.store(committed_ptr + row, start.to(committed_ptr.dtype.element_ty))
                 tl.store(pending_ptr + row, T)
+
+
+@triton.jit
+def _copy_fields(pid_b, row, start, s1, s1b: tl.constexpr, s1t: tl.constexpr, s1h: tl.constexpr, s1e: tl.constexpr,
+                 d1, s2, s2b: tl.constexpr, s2t: tl.constexpr, s2h: tl.constexpr, s2e: tl.constexpr, d2, s3,
+                 s3b: tl.constexpr, s3t: tl.constexpr, s3h: tl.constexpr, s3e: tl.constexpr, d3, s4, s4b: tl.constexpr,
+                 s4t: tl.constexpr, s4h: tl.constexpr, s4e: tl.constexpr, d4, T: tl.constexpr, L: tl.constexpr,
+                 F1: tl.constexpr, F1P: tl.constexpr, W1: tl.constexpr, F2: tl.constexpr, F2P: tl.constexpr,
+                 W2: tl.constexpr, F3: tl.constexpr, F3P: tl.constexpr, W3: tl.constexpr, F4: tl.constexpr,
+                 F4P: tl.constexpr, W4: tl.constexpr):
+    """``advance_row``'s copy of the new tokens' shared fields into the buffer at positions start ..
+    start + T - 1. Every load of a token issued before its stores: at batch 1 the advance is the
+    step's tail, a round trip per load that waits on a store. A token at a time, in a loop that is
+    not unrolled: a whole [T, F] tile (GDN's k: 2048 elements per token) made the step kernels that
+    run under a register cap spill."""
+    for s in tl.range(0, T, num_stages=1):
+        f1 = _field_at(s1, s1b, s1t, s1h, s1e, pid_b, s, F1, F1P, W1)
+        f2 = _field_at(s2, s2b, s2t, s2h, s2e, pid_b, s, F2, F2P, W2)
+        f3 = _field_at(s3, s3b, s3t, s3h, s3e, pid_b, s, F3, F3P, W3)
+        if F4 > 0:
+            f4 = _field_at(s4, s4b, s4t, s4h, s4e, pid_b, s, F4, F4P, W4)
+            _store_field(f4, d4, row, start + s, L, F4, F4P)
+        _store_field(f1, d1, row, start + s, L, F1, F1P)
+        _store_field(f2, d2, row, start + s, L, F2, F2P)
+        _store_field(f3, d3, row, start + s, L, F3, F3P)
 
 
 @triton.jit

@@ -21,7 +21,13 @@ def slot_row(slots_ptr, pid_b, SCRATCH):
 @triton.jit
 def cursor(committed_ptr, valid, row, T: tl.constexpr, L: tl.constexpr):
     """(committed count h, refresh due) of a storage row; a pad has h = 0 and never refreshes."""
-    h = tl.where(valid, tl.load(committed_ptr + row), 0)
+    return committed_cursor(tl.load(committed_ptr + row), valid, T, L)
+
+
+@triton.jit
+def committed_cursor(committed, valid, T: tl.constexpr, L: tl.constexpr):
+    """``cursor`` from the storage row's committed count as loaded."""
+    h = tl.where(valid, committed, 0)
     return h, valid & (h + T > L)
 
 
@@ -112,6 +118,56 @@ def window_rows(buf_ptr, in_ptr, sb, st, sh, se, row, pid_b, h, head, NH, cols, 
     b = tl.load(in_ptr + pid_b * sb + (j - h)[:, None] * st + head * sh + cols[None, :] * se,
                 mask=new[:, None] & ok, other=0.0)
     return a.to(tl.float32) + as_stored(b, buf_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def whole_window(buf_ptr, row, at, heads, cols, NH, WIDTH: tl.constexpr, L: tl.constexpr):
+    """Every entry of storage row ``row``'s window at positions ``at`` [LP] of a buffer [rows, L, NH,
+    WIDTH] (a per-head scalar field: WIDTH = 1, ``cols`` = [0]), heads ``heads`` [RP], [RP, LP,
+    len(cols)] in the buffer's dtype, zero from position L and column WIDTH on. Loaded whatever the
+    committed count, so that the load waits for the slot id only; ``committed_window`` and
+    ``committed_head_window`` keep the committed entries (a step of one launch: at batch 1 a step is
+    a chain of round trips to memory). The buffer's entries are read again next step: L2 keeps them
+    last."""
+    ok = (at < L)[None, :, None] & within(cols, WIDTH)[None, None, :]
+    return tl.load(buf_ptr + ((row * L + at[None, :, None]) * NH + heads[:, None, None]) * WIDTH
+                   + cols[None, None, :], mask=ok, other=0.0, eviction_policy="evict_last")
+
+
+@triton.jit
+def new_rows(in_ptr, sb, st, sh, se, pid_b, head, cols, WIDTH: tl.constexpr, T: tl.constexpr):
+    """The T new tokens' rows of a per-token vector field, columns ``cols`` of head ``head`` of the
+    inputs [b, T, NH, WIDTH] of strides (sb, st, sh, se): a tuple of [len(cols)] in their dtype, zero
+    from WIDTH on."""
+    rows = ()
+    for s in tl.static_range(T):
+        rows = rows + (tl.load(in_ptr + pid_b * sb + s * st + head * sh + cols * se, mask=within(cols, WIDTH),
+                               other=0.0),)
+    return rows
+
+
+@triton.jit
+def committed_window(buf_ptr, A, new, h, T: tl.constexpr):
+    """``window_rows`` from ``whole_window``'s [1, LP, W] tile A of the buffer ``buf_ptr`` and
+    ``new_rows``' tuple ``new``: the committed entries (j < h) of A and the new tokens at h .. h + T
+    - 1, rounded to the buffer dtype; the same values, bit for bit."""
+    LP: tl.constexpr = A.shape[1]
+    j = tl.arange(0, LP)[:, None]
+    a = tl.where(j < h, tl.reshape(A, (LP, A.shape[2])), 0.0)
+    b = tl.zeros((LP, A.shape[2]), new[0].dtype)
+    for s in tl.static_range(T):
+        b = tl.where(j == h + s, new[s][None, :], b)
+    return a.to(tl.float32) + as_stored(b, buf_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def committed_head_window(A, new, h, at, T: tl.constexpr):
+    """``head_window`` (IN_REGISTERS) from ``whole_window``'s [RP, LP, 1] tile A: the committed
+    entries (at < h) of A, the values ``new`` (a tuple of [RP] by token) at h .. h + T - 1, fp32."""
+    X = tl.where((at < h)[None, :], tl.reshape(A, (A.shape[0], A.shape[1])).to(tl.float32), 0.0)
+    for s in tl.static_range(T):
+        X = tl.where((at == h + s)[None, :], new[s][:, None], X)
+    return X
 
 
 @triton.jit
@@ -268,28 +324,23 @@ def _square_norm(x, STORED: tl.constexpr):
 
 
 @triton.jit
-def fused_item(slots_ptr, committed_ptr, parents_ptr, gaps_ptr, c, first, SCRATCH, T: tl.constexpr, L: tl.constexpr,
-               TREE: tl.constexpr, MAXD: tl.constexpr):
-    """(valid, storage row, committed count h, refresh due) of batch row c in a step of one launch,
-    read from the committed counts themselves (the row's last program advances them); the
-    ``first`` program of the row also stores its draft tree (TREE, ``pending_tree``)."""
-    valid, row, h, need = slot_cursor(slots_ptr, committed_ptr, c, SCRATCH, T, L)
-    if TREE:
-        if first:
-            pending_tree(parents_ptr, gaps_ptr, c, valid, row, T, MAXD)
-    return valid, row, h, need
+def fused_item(slots_ptr, committed_ptr, c, SCRATCH):
+    """(valid, storage row, committed count as loaded) of batch row c in a step of one launch, read
+    from the committed counts themselves (the row's last program advances them). Nothing waits on
+    the count yet: the program issues every load that needs the storage row only first
+    (``whole_window``), then takes its cursor (``fused_cursor``), since at batch 1 a step is a chain
+    of round trips to memory and a branch on the count waits for it."""
+    valid, row = slot_row(slots_ptr, c, SCRATCH)
+    return valid, row, tl.load(committed_ptr + row)
 
 
 @triton.jit
-def program_item(due_ptr, slots_ptr, cursors_ptr, committed_ptr, parents_ptr, gaps_ptr, c, it, count, first, SCRATCH,
-                 T: tl.constexpr, L: tl.constexpr, DUE: tl.constexpr, FUSED: tl.constexpr, TREE: tl.constexpr,
-                 MAXD: tl.constexpr):
-    """(active, batch row, valid, storage row, committed count h, refresh due) of round ``it`` of a
-    step program of grid index ``c`` over batch rows: ``fused_item`` in a step of one launch
-    (FUSED; ``first``: the row's first program), else ``step_item``."""
-    if FUSED:
-        valid, row, h, need = fused_item(slots_ptr, committed_ptr, parents_ptr, gaps_ptr, c, first, SCRATCH, T, L,
-                                         TREE, MAXD)
-        return True, c, valid, row, h, need
-    else:
-        return step_item(due_ptr, slots_ptr, cursors_ptr, c, it, count, SCRATCH, T, L, DUE)
+def fused_cursor(committed, valid, row, parents_ptr, gaps_ptr, c, first, T: tl.constexpr, L: tl.constexpr,
+                 TREE: tl.constexpr, MAXD: tl.constexpr):
+    """(committed count h, refresh due) of ``fused_item``'s batch row c; the ``first`` program of the
+    row also stores its draft tree (TREE, ``pending_tree``)."""
+    h, need = committed_cursor(committed, valid, T, L)
+    if TREE:
+        if first:
+            pending_tree(parents_ptr, gaps_ptr, c, valid, row, T, MAXD)
+    return h, need

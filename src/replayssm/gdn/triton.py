@@ -53,9 +53,9 @@ from .._triton import launch
 from .._triton.launch import advance_row, after_previous_launch
 from .._triton.solve import unit_lower_inverse
 from .._triton.decay import ordered_row_sums, path_decays, softplus
-from .._triton.window import (ancestor_bits, draft_paths, due_slot, head_window, key_query_norms, list_due,
-                              load_key_query, new_key_query, pending_tree, program_item, slot_cursor, window_key_scales,
-                              window_keys, window_raw_keys)
+from .._triton.window import (ancestor_bits, committed_head_window, draft_paths, due_slot, fused_cursor, fused_item,
+                              head_window, key_query_norms, list_due, new_key_query, pending_tree, slot_cursor,
+                              step_item, whole_window, window_key_scales, window_keys, window_raw_keys)
 from .._triton.formats import (as_query, as_stored, column, exact_b_products, global_scale_index, load_query,
                                load_read, load_tile, matvec, pin_vector_width, read_copy_from_anchor,
                                streamed_products, within, write_checkpoint)
@@ -380,67 +380,120 @@ def _token_loads(q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sb
 
 
 @triton.jit
-def _prepared_tokens(q_ptr, sqb, sqt, sqh, sqe, k_ptr, skb, skt, skh, ske, v_ptr, svb, svt, svh, sve, beta_ptr, sbb,
-                     sbt, sbh, g_ptr, sgb, sgt, sgh, alog_ptr, s_alog, dtb_ptr, s_dtb, bk_ptr, bks_ptr, bg_ptr, bv_ptr,
-                     ks_ptr, gn_ptr, betan_ptr, kn_ptr, qn_ptr, parents_ptr, scale, pid_v, pid_b, valid, row, h,
-                     head, khead, rv, HV, HK, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr,
-                     DKP: tl.constexpr, R_FMT: tl.constexpr, NORM: tl.constexpr, GATE: tl.constexpr,
-                     HAS_DTB: tl.constexpr, TREE: tl.constexpr, OUTPUT_DOT: tl.constexpr):
+def _fused_loads(q_ptr, sqb, sqt, sqh, sqe, k_ptr, skb, skt, skh, ske, v_ptr, svb, svt, svh, sve, beta_ptr, sbb,
+                 sbt, sbh, g_ptr, sgb, sgt, sgh, alog_ptr, s_alog, dtb_ptr, s_dtb, rv_ptr, rs_ptr, rg_ptr, bk_ptr,
+                 bks_ptr, bg_ptr, bu_ptr, pid_v, pid_b, row, head, HV, HK, T: tl.constexpr, L: tl.constexpr,
+                 LP: tl.constexpr, BV: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
+                 R_FMT: tl.constexpr, OUTPUT_DOT: tl.constexpr, GATE: tl.constexpr, HAS_DTB: tl.constexpr):
+    """A step of one launch (``StepShape.fused``): every load of program (pid_v, value head ``head``)
+    on batch row ``pid_b`` (storage row ``row``) that does not wait for the slot's committed count,
+    issued before the program takes its cursor (``window.fused_item``): the read copy
+    (``load_read``; none when its products are streamed), the whole window of the buffered fields
+    (``window.whole_window``; the residuals as [BV, LP]), the caller's q, k [b, T, HK, K], v [b, T,
+    HV, V], g, beta [b, T, HV] (GATE: a, b, A_log, dt_bias) read through their strides; any
+    arithmetic on them waits for them, so it comes after (``_prepared_tokens``). A tuple: (read
+    copy values_a, values_b, scale, the rest for ``_prepared_tokens``)."""
+    j = tl.arange(0, LP)
+    ck = tl.arange(0, DKP)
+    rv = pid_v * BV + tl.arange(0, BV)
+    vh = head + tl.arange(0, 1)  # the program's value head, as a batch of one for the window helpers
+    khead = head // (HV // HK)
+    kh = khead + tl.arange(0, 1)
+    one = tl.arange(0, 1)
+    mat = row * HV + head
+    if OUTPUT_DOT:
+        ra, rb, rsc = 0.0, 0.0, 0.0
+    else:
+        ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, global_scale_index(mat, pid_v * BV, BV, DV), rv, DV, DK,
+                                DKP, R_FMT)
+    U = tl.load(bu_ptr + ((row * L + j[None, :]) * HV + head) * DV + rv[:, None], mask=(j < L)[None, :], other=0.0)
+    windows = (whole_window(bk_ptr, row, j, kh, ck, HK, DK, L), whole_window(bks_ptr, row, j, kh, one, HK, 1, L),
+               whole_window(bg_ptr, row, j, vh, one, HV, 1, L), whole_window(bg_ptr, row, j + 1, vh, one, HV, 1, L))
+    values, gates, betas, keys, queries = (), (), (), (), ()
+    for s in tl.static_range(T):
+        values = values + (tl.load(v_ptr + pid_b * svb + s * svt + head * svh + rv * sve),)
+        gates = gates + (tl.load(g_ptr + pid_b * sgb + s * sgt + vh * sgh),)
+        betas = betas + (tl.load(beta_ptr + pid_b * sbb + s * sbt + head * sbh),)
+    for s in tl.static_range(T):
+        cols = within(ck, DK)
+        keys = keys + (tl.load(k_ptr + pid_b * skb + s * skt + khead * skh + ck * ske, mask=cols, other=0.0),)
+        queries = queries + (tl.load(q_ptr + pid_b * sqb + s * sqt + khead * sqh + ck * sqe, mask=cols, other=0.0),)
+    gating = 0.0, 0.0
+    if GATE:
+        gating = tl.load(alog_ptr + vh * s_alog), tl.load(dtb_ptr + vh * s_dtb) if HAS_DTB else 0.0
+    return ra, rb, rsc, (U, windows, values, gates, betas, keys, queries, gating)
+
+
+@triton.jit
+def _prepared_tokens(loaded, bk_ptr, bks_ptr, bg_ptr, bbeta_ptr, bv_ptr, ks_ptr, gn_ptr, betan_ptr, kn_ptr, qn_ptr,
+                     parents_ptr, scale, pid_v, pid_b, valid, row, h, need, head, khead, HV, HK, T: tl.constexpr,
+                     L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, R_FMT: tl.constexpr,
+                     NORM: tl.constexpr, GATE: tl.constexpr, HAS_DTB: tl.constexpr, TREE: tl.constexpr,
+                     OUTPUT_DOT: tl.constexpr):
     """A step of one launch (``StepShape.fused``): the scores launch's work for the program's own
-    value head, by the same operations (``_gdn_scores_kernel``), from the caller's q, k [b, T, HK,
-    K], v, and g, beta [b, T, HV] (GATE: a and b, with A_log, dt_bias), all read through their
-    strides. Returns ``_token_loads``' tuple and the gammas e^{c_t} by token. Programs of row
-    block 0 also store what the batch row's advance copies into the buffer (``advance_row``, run
-    by the row's last program): each key's normalizing factor into ks [b, T, HK] (the first value
-    head of each key head), and with GATE the gates into gn, betan [b, T, HV] fp32. OUTPUT_DOT: the
+    value head, by the same operations (``_gdn_scores_kernel``), from ``_fused_loads``' tuple
+    ``loaded`` (its last field) and the cursor h. Returns ``_token_loads``' tuple, the gammas
+    e^{c_t} by token and the window's residuals [BV, LP] (zero from entry h on). Programs of row
+    block 0 also store the new tokens' shared fields (keys and their normalizing factors by the
+    first value head of each key head, gates and betas by each): where the slot does not refresh,
+    straight into the buffer at h .. h + T - 1, where no program of the launch reads them
+    (``launch.advance_row``, DIRECT); where it does, what the batch row's last program copies into
+    the buffer after the folds: each key's normalizing factor into ks [b, T, HK], and with GATE
+    the gates into gn, betan [b, T, HV] fp32. OUTPUT_DOT: the
     prepared keys and queries go to kn, qn [b, T, HK, DK] fp32 for ``streamed_products`` (every
     program of a key head stores the same bits; the caller waits on its threads' stores), and
     the tuple's keys and queries are zeros."""
+    U, windows, raw_values, raw_gates, raw_betas, raw_keys, raw_queries, gating = loaded
     j = tl.arange(0, LP)
     ck = tl.arange(0, DKP)
-    vh = head + tl.arange(0, 1)  # the program's value head, as a batch of one for the window helpers
-    writer = pid_v == 0
-    # loads first, the new keys and queries last: the compiler moves each layout conversion of theirs
-    # (through shared memory, behind barriers) up to its load, and at batch 1 a step is a chain of
-    # round trips, one more for every load issued after a barrier
-    values, gates, betas, loaded = (), (), (), ()
+    vh = head + tl.arange(0, 1)
+    later, direct = (pid_v == 0) & need, (pid_v == 0) & valid & (need == 0)  # the fields' writers
+    first = head % (HV // HK) == 0  # of its key head
+    U = tl.where((j < h)[None, :], U, 0.0)
+    values, gates, betas = (), (), ()
     for s in tl.static_range(T):
-        values = values + (as_stored(tl.load(v_ptr + pid_b * svb + s * svt + head * svh + rv * sve),
-                                     bv_ptr.dtype.element_ty),)
-    K_raw = window_raw_keys(bk_ptr, row, khead, h, ck, HK, DK, L, LP)
-    K_scales = window_key_scales(bks_ptr, row, khead, h, HK, L, LP)
-    for s in tl.static_range(T):
+        values = values + (as_stored(raw_values[s], bv_ptr.dtype.element_ty),)
         tok = pid_b * T + s
         if GATE:
-            x = tl.load(g_ptr + pid_b * sgb + s * sgt + vh * sgh).to(tl.float32)
+            x = raw_gates[s].to(tl.float32)
             if HAS_DTB:
-                x += tl.load(dtb_ptr + vh * s_dtb).to(tl.float32)
-            gate = -tl.exp(tl.load(alog_ptr + vh * s_alog).to(tl.float32)) * softplus(x)
-            beta = tl.sigmoid(tl.load(beta_ptr + pid_b * sbb + s * sbt + head * sbh).to(tl.float32))
-            tl.store(gn_ptr + tok * HV + vh, gate, mask=writer)
-            tl.store(betan_ptr + tok * HV + head, beta, mask=writer)
+                x += gating[1].to(tl.float32)
+            gate = -tl.exp(gating[0].to(tl.float32)) * softplus(x)
+            beta = tl.sigmoid(raw_betas[s].to(tl.float32))
+            tl.store(gn_ptr + tok * HV + vh, gate, mask=later)
+            tl.store(betan_ptr + tok * HV + head, beta, mask=later)
+            stored_gate, stored_beta = gate, beta
         else:
-            gate = tl.load(g_ptr + pid_b * sgb + s * sgt + vh * sgh).to(tl.float32)
-            beta = tl.load(beta_ptr + pid_b * sbb + s * sbt + head * sbh)
+            gate = raw_gates[s].to(tl.float32)
+            beta = raw_betas[s]
+            stored_gate, stored_beta = raw_gates[s], beta
+        entry = row * L + h + s
+        tl.store(bg_ptr + entry * HV + vh, as_stored(stored_gate, bg_ptr.dtype.element_ty), mask=direct)
+        tl.store(bbeta_ptr + entry * HV + head, as_stored(stored_beta, bbeta_ptr.dtype.element_ty), mask=direct)
+        tl.store(bk_ptr + (entry * HK + khead) * DK + ck, as_stored(raw_keys[s], bk_ptr.dtype.element_ty),
+                 mask=direct & first & (ck < DK))
         gates = gates + (gate,)
         betas = betas + (beta,)
-    G = head_window(bg_ptr, g_ptr, sgb, sgt, sgh, gates, row, pid_b, h, j, vh, vh >= 0, HV, T, L, True)
-    G_next = head_window(bg_ptr, g_ptr, sgb, sgt, sgh, gates, row, pid_b, h, j + 1, vh, vh >= 0, HV, T, L, True)
-    for s in tl.static_range(T):
-        loaded = loaded + (load_key_query(k_ptr, skb, skt, skh, ske, q_ptr, sqb, sqt, sqh, sqe, pid_b, s, khead, ck,
-                                          DK, bk_ptr.dtype.element_ty),)
+    G = committed_head_window(windows[2], gates, h, j, T)
+    G_next = committed_head_window(windows[3], gates, h, j + 1, T)
     keys, queries = (), ()
     for s in tl.static_range(T):
         tok = pid_b * T + s
-        k, k_scale, q = key_query_norms(loaded[s][0], loaded[s][1], bk_ptr.dtype.element_ty, NORM)
-        tl.store(ks_ptr + tok * HK + khead, k_scale, mask=writer & (head % (HV // HK) == 0))
+        k, k_scale, q = key_query_norms(as_stored(raw_keys[s], bk_ptr.dtype.element_ty).to(tl.float32),
+                                        raw_queries[s].to(tl.float32), bk_ptr.dtype.element_ty, NORM)
+        tl.store(ks_ptr + tok * HK + khead, k_scale, mask=later & first)
+        tl.store(bks_ptr + (row * L + h + s) * HK + khead, as_stored(k_scale, bks_ptr.dtype.element_ty),
+                 mask=direct & first)
         k, q = k * k_scale, q * scale
         if OUTPUT_DOT:
             tl.store(kn_ptr + (tok * HK + khead) * DK + ck, k, mask=ck < DK)
             tl.store(qn_ptr + (tok * HK + khead) * DK + ck, q, mask=ck < DK)
         keys = keys + (k,)
         queries = queries + (q,)
-    K = K_raw.to(tl.float32) * K_scales[:, None]  # ``window_keys``, its loads issued above and held 16-bit
+    # ``window_keys``: the buffered keys times their normalizing factors, the committed ones
+    old = (j < h)[:, None]
+    K = tl.where(old, tl.reshape(windows[0], (LP, DKP)), 0.0).to(tl.float32) * tl.where(
+        old, tl.reshape(windows[1], (LP, 1)), 0.0)
     for n in tl.static_range(T):  # the new keys at positions h + n
         K = tl.where((j == h + n)[:, None], keys[n][None, :], K)
     anc = ancestor_bits(parents_ptr, pid_b, valid, T) if TREE else 0
@@ -457,7 +510,7 @@ def _prepared_tokens(q_ptr, sqb, sqt, sqh, sqe, k_ptr, skb, skt, skh, ske, v_ptr
             qa, qb = as_query(queries[s], R_FMT)
         tokens_in = tokens_in + ((values[s], betas[s], to_k, to_q, ka, kb, qa, qb),)
         gammas = gammas + (tl.sum(gamma, 0),)
-    return tokens_in, gammas
+    return tokens_in, gammas, U
 
 
 @triton.jit
@@ -508,7 +561,7 @@ def _new_tokens(tokens_in, gammas, U, rv_ptr, rs_ptr, rg_ptr, ra, rb, rsc, k_ptr
 
 @triton.jit
 def _gdn_step_program(
-        pid_v, head, pid_b, valid, row, h, need,
+        pid_v, head, pid_b, valid, row, h, need, early,
         slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, decays_ptr,
         av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
         bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, bu_ptr,
@@ -525,13 +578,16 @@ def _gdn_step_program(
     """Rows pid_v BV .. (pid_v + 1) BV of value head ``head`` of batch row ``pid_b`` (storage row
     ``row``, h committed entries, ``need``: due to refresh, folded here first when REFRESH). FUSED
     (a step of one launch): the program solves its own refresh (``_solve_here``) and prepares its
-    own inputs (``_prepared_tokens``: q, k, g, beta the caller's, of strides sq*, sk*, sg*, sb*);
+    own inputs (``_prepared_tokens``: q, k, g, beta the caller's, of strides sq*, sk*, sg*, sb*, from
+    ``early``, ``_fused_loads``);
     else the solve and scores launches' results (``_solved``, ``_token_loads``: q, k prepared)."""
     khead = head // (HV // HK)
     mat = row * HV + head
     gidx = global_scale_index(mat, pid_v * BV, BV, DV)  # NVFP4: the global scales of these rows
     rv = pid_v * BV + tl.arange(0, BV)
     j = tl.arange(0, LP)
+    if FUSED:
+        ra, rb, rsc, loaded = early
     if REFRESH:
         if need:  # refresh: re-solve the committed residuals from the anchor, fold, encode
             if FUSED or SOLVE_HERE:
@@ -543,25 +599,31 @@ def _gdn_step_program(
                               av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, HV,
                               HK, L, LP, DV, DK, DKP, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
             tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
+            if FUSED:  # again, after the rows just folded: nothing loaded before is live in this branch
+                ra, rb, rsc, loaded = _fused_loads(
+                    q_ptr, sqb, sqt, sqh, sqe, k_ptr, skb, skt, skh, ske, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt,
+                    sbh, g_ptr, sgb, sgt, sgh, alog_ptr, s_alog, dtb_ptr, s_dtb, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr,
+                    bg_ptr, bu_ptr, pid_v, pid_b, row, head, HV, HK, T, L, LP, BV, DV, DK, DKP, R_FMT, OUTPUT_DOT, GATE,
+                    HAS_DTB)
     h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
-    # the read copy in its own layout (the anchor itself when shared; never whole when its products
-    # are streamed), then everything else a program reads, all issued before any arithmetic
-    if OUTPUT_DOT:
-        ra, rb, rsc = 0.0, 0.0, 0.0
-    else:
-        ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, DKP, R_FMT)
-    # the window's cached read-path residuals [BV, LP]
-    U = tl.load(bu_ptr + ((row * L + j[None, :]) * HV + head) * DV + rv[:, None], mask=(j < h)[None, :], other=0.0)
     if FUSED:
-        tokens_in, gammas = _prepared_tokens(
-            q_ptr, sqb, sqt, sqh, sqe, k_ptr, skb, skt, skh, ske, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh,
-            g_ptr, sgb, sgt, sgh, alog_ptr, s_alog, dtb_ptr, s_dtb, bk_ptr, bks_ptr, bg_ptr, bv_ptr, ks_ptr, gn_ptr,
-            betan_ptr, kn_ptr, qn_ptr, parents_ptr, scale, pid_v, pid_b, valid, row, h, head, khead, rv, HV, HK, T, L,
-            LP, DK, DKP, R_FMT, NORM, GATE, HAS_DTB, TREE, OUTPUT_DOT)
+        tokens_in, gammas, U = _prepared_tokens(loaded, bk_ptr, bks_ptr, bg_ptr, bbeta_ptr, bv_ptr, ks_ptr, gn_ptr,
+                                                betan_ptr, kn_ptr, qn_ptr, parents_ptr, scale, pid_v, pid_b, valid, row,
+                                                h, need, head, khead, HV, HK, T, L, LP, DK, DKP, R_FMT, NORM, GATE,
+                                                HAS_DTB, TREE, OUTPUT_DOT)
         if OUTPUT_DOT:  # the products read the keys and queries just stored, by other threads too
             tl.debug_barrier()
             k_ptr, q_ptr = kn_ptr, qn_ptr
     else:
+        # the read copy in its own layout (the anchor itself when shared; never whole when its products
+        # are streamed), then everything else a program reads, all issued before any arithmetic
+        if OUTPUT_DOT:
+            ra, rb, rsc = 0.0, 0.0, 0.0
+        else:
+            ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, DKP, R_FMT)
+        # the window's cached read-path residuals [BV, LP]
+        U = tl.load(bu_ptr + ((row * L + j[None, :]) * HV + head) * DV + rv[:, None], mask=(j < h)[None, :],
+                    other=0.0)
         tokens_in = _token_loads(q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr,
                                  bv_ptr, pid_b, head, khead, rv, HV, HK, T, LP, DV, DK, DKP, R_FMT, OUTPUT_DOT)
         gammas = ()
@@ -617,12 +679,23 @@ def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, de
     pid_v, head, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     count = tl.load(due_ptr) if DUE == 2 else 0
     for it in tl.range(0, ROUNDS, num_stages=1):  # a constant trip count: the interpreter needs one
-        active, pid_b, valid, row, h, need = program_item(due_ptr, slots_ptr, cursors_ptr, committed_ptr, parents_ptr,
-                                                          gaps_ptr, c, it, count, (pid_v == 0) & (head == 0), SCRATCH,
-                                                          T, L, DUE, FUSED, TREE, MAXD)
+        if FUSED:  # every load that needs the storage row only, before the cursor (``window.fused_item``)
+            active, pid_b = True, c
+            valid, row, committed = fused_item(slots_ptr, committed_ptr, c, SCRATCH)
+            early = _fused_loads(q_ptr, sqb, sqt, sqh, sqe, k_ptr, skb, skt, skh, ske, v_ptr, svb, svt, svh, sve,
+                                 beta_ptr, sbb, sbt, sbh, g_ptr, sgb, sgt, sgh, alog_ptr, s_alog, dtb_ptr, s_dtb,
+                                 rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bg_ptr, bu_ptr, pid_v, c, row, head, HV, HK,
+                                 T, L, LP, BV, DV, DK, DKP, R_FMT, OUTPUT_DOT, GATE, HAS_DTB)
+            tl.debug_barrier()  # keeps them here: the compiler would sink them past the branch on the cursor
+            h, need = fused_cursor(committed, valid, row, parents_ptr, gaps_ptr, c, (pid_v == 0) & (head == 0), T, L,
+                                   TREE, MAXD)
+        else:
+            active, pid_b, valid, row, h, need = step_item(due_ptr, slots_ptr, cursors_ptr, c, it, count, SCRATCH, T,
+                                                           L, DUE)
+            early = 0
         if active:
             _gdn_step_program(
-                pid_v, head, pid_b, valid, row, h, need, slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
+                pid_v, head, pid_b, valid, row, h, need, early, slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,
                 decays_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bv_ptr, bbeta_ptr, bu_ptr,
                 q_ptr, k_ptr, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt, sbh, scores_ptr, gammas_ptr, o_ptr, HV, HK,
                 sqb, sqt, sqh, sqe, skb, skt, skh, ske, g_ptr, sgb, sgt, sgh, alog_ptr, s_alog, dtb_ptr, s_dtb, bg_ptr,
@@ -636,7 +709,7 @@ def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, de
             advance_row(pid_b, valid, row, tl.where(need, 0, h), need, (pid_v == 0) & (head == 0), counted, tokens_ptr,
                         committed_ptr, pending_ptr, refreshes_ptr, done_ptr,
                         s1, s1b, s1t, s1h, s1e, d1, s2, s2b, s2t, s2h, s2e, d2, s3, s3b, s3t, s3h, s3e, d3, s4, s4b,
-                        s4t, s4h, s4e, d4, T, L, COMMIT, F1, F1P, W1, F2, F2P, W2, F3, F3P, W3, F4, F4P, W4)
+                        s4t, s4h, s4e, d4, T, L, COMMIT, F1, F1P, W1, F2, F2P, W2, F3, F3P, W3, F4, F4P, W4, FUSED)
 
 #: Warps of every solve launch (``_gdn_solve_kernel``): one shape for every preset and batch.
 SOLVE_WARPS = 4

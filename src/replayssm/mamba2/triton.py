@@ -37,10 +37,12 @@ import triton.language as tl
 from .._triton import launch
 from .._triton.launch import advance_row, after_previous_launch
 from .._triton.decay import ordered_row_sums, path_decays, softplus
-from .._triton.window import (ancestor_bits, draft_paths, due_slot, head_window, list_due, pending_tree,
-                              program_item, slot_cursor, window_rows)
-from .._triton.formats import (as_query, column, global_scale_index, load_query, load_read, load_tile, matvec,
-                               pin_vector_width, read_copy_from_anchor, streamed_products, within, write_checkpoint)
+from .._triton.window import (ancestor_bits, committed_head_window, committed_window, draft_paths, due_slot,
+                              fused_cursor, fused_item, head_window, list_due, new_rows, pending_tree, slot_cursor,
+                              step_item, whole_window, window_rows)
+from .._triton.formats import (as_query, as_stored, column, global_scale_index, load_query, load_read, load_tile,
+                               matvec, pin_vector_width, read_copy_from_anchor, streamed_products, within,
+                               write_checkpoint)
 
 
 @triton.jit
@@ -239,53 +241,90 @@ def _token_loads(x_ptr, sxb, sxt, sxh, sxe, C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD
 
 
 @triton.jit
-def _prepared_tokens(B_ptr, sBb, sBt, sBh, sBe, C_ptr, sCb, sCt, sCh, sCe, dt_ptr, sdb, sdt, sdh, bias_ptr, s_bias,
-                     A_ptr, s_A, x_ptr, sxb, sxt, sxh, sxe, D_ptr, sD, z_ptr, szb, szt, szh, sze, bB_ptr, bx_ptr,
-                     bdt_ptr, bla_ptr, dtn_ptr, la_ptr, parents_ptr, pid_v, pid_b, valid, row, h, head, group, rv, H,
-                     G, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr,
-                     DKP: tl.constexpr, R_FMT: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, TREE: tl.constexpr):
-    """A step of one launch (``StepShape.fused``): the scores launch's work for the program's own
-    head, by the same operations (``_mamba2_scores_kernel``), from the caller's B, C [b, T, G, N],
-    dt [b, T, H] (dt_bias, softplus), A, read through their strides; returns ``_token_loads``' tuple
-    and the window of x rows [LP, BV] (``window.window_rows``). Programs of row block 0 store the
-    head's prepared step sizes and log decays into dtn, la [b, T, H] fp32, which the batch row's
-    advance (its last program, ``launch.advance_row``) copies into the buffer."""
+def _fused_loads(B_ptr, sBb, sBt, sBh, sBe, C_ptr, sCb, sCt, sCh, sCe, dt_ptr, sdb, sdt, sdh, bias_ptr, s_bias, A_ptr,
+                 s_A, x_ptr, sxb, sxt, sxh, sxe, D_ptr, sD, z_ptr, szb, szt, szh, sze, rv_ptr, rs_ptr, rg_ptr, bB_ptr,
+                 bx_ptr, bdt_ptr, bla_ptr, pid_v, pid_b, row, head, H, G, T: tl.constexpr, L: tl.constexpr,
+                 LP: tl.constexpr, BV: tl.constexpr, DV: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr,
+                 R_FMT: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A step of one launch (``StepShape.fused``): every load of program (pid_v, head) on batch row
+    ``pid_b`` (storage row ``row``) that does not wait for the slot's committed count, issued before
+    the program takes its cursor (``window.fused_item``): the read copy (``load_read``), the whole
+    window of the buffered fields (``window.whole_window``), the caller's B, C [b, T, G, N], dt [b,
+    T, H], dt_bias, A, x, z [b, T, H, P], D, read through their strides; any arithmetic on them
+    waits for them, so it comes after (``_prepared_tokens``). A tuple: (read copy values_a,
+    values_b, scale, the rest for ``_prepared_tokens``)."""
     j = tl.arange(0, LP)
     ck = tl.arange(0, DKP)
+    rv = pid_v * BV + tl.arange(0, BV)
     hv = head + tl.arange(0, 1)  # the program's head, as a batch of one for the window helpers
-    # the queries last: the compiler moves a layout conversion (through shared memory, behind
-    # barriers) up to its load, and at batch 1 a step is a chain of round trips, one more for every
-    # load issued after a barrier
-    skips = ()
+    group = head // (H // G)
+    ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, row * H + head, global_scale_index(row * H + head, pid_v * BV, BV,
+                                                                                       DV), rv, DV, DK, DKP, R_FMT)
+    one = tl.arange(0, 1)
+    windows = (whole_window(bla_ptr, row, j, hv, one, H, 1, L), whole_window(bla_ptr, row, j + 1, hv, one, H, 1, L),
+               whole_window(bdt_ptr, row, j, hv, one, H, 1, L), whole_window(bB_ptr, row, j, group + one, ck, G, DK, L),
+               whole_window(bx_ptr, row, j, hv, rv, H, DV, L))
+    new = (new_rows(B_ptr, sBb, sBt, sBh, sBe, pid_b, group, ck, DK, T),
+           new_rows(x_ptr, sxb, sxt, sxh, sxe, pid_b, head, rv, DV, T))
+    dts = ()
     for s in tl.static_range(T):
-        skips = skips + (_skip_and_gate(x_ptr, sxb, sxt, sxh, sxe, D_ptr, sD, z_ptr, szb, szt, szh, sze, pid_b, s,
-                                        head, rv, HAS_D, HAS_Z),)
-    A = tl.load(A_ptr + hv * s_A).to(tl.float32)
-    steps, log_decays = (), ()
-    for s in tl.static_range(T):
-        at = (pid_b * T + s) * H + hv
-        d = tl.load(dt_ptr + pid_b * sdb + s * sdt + hv * sdh).to(tl.float32)
-        if HAS_BIAS:
-            d += tl.load(bias_ptr + hv * s_bias).to(tl.float32)
-        if SOFTPLUS:
-            d = softplus(d)
-        steps, log_decays = steps + (d,), log_decays + (A * d,)
-        tl.store(dtn_ptr + at, d, mask=pid_v == 0)
-        tl.store(la_ptr + at, log_decays[s], mask=pid_v == 0)
-    LA = head_window(bla_ptr, la_ptr, 0, 0, 0, log_decays, row, pid_b, h, j, hv, hv >= 0, H, T, L, True)
-    LA_next = head_window(bla_ptr, la_ptr, 0, 0, 0, log_decays, row, pid_b, h, j + 1, hv, hv >= 0, H, T, L, True)
-    DT = head_window(bdt_ptr, dtn_ptr, 0, 0, 0, steps, row, pid_b, h, j, hv, hv >= 0, H, T, L, True)
-    K = window_rows(bB_ptr, B_ptr, sBb, sBt, sBh, sBe, row, pid_b, h, group, G, ck, DK, T, L, LP)
-    X = window_rows(bx_ptr, x_ptr, sxb, sxt, sxh, sxe, row, pid_b, h, head, H, rv, DV, T, L, LP)
+        dts = dts + (tl.load(dt_ptr + pid_b * sdb + s * sdt + hv * sdh),)
+    bias = tl.load(bias_ptr + hv * s_bias) if HAS_BIAS else 0.0
     queries = ()
     for s in tl.static_range(T):
         queries = queries + (tl.load(C_ptr + pid_b * sCb + s * sCt + group * sCh + ck * sCe, mask=within(ck, DK),
-                                     other=0.0).to(tl.float32),)
+                                     other=0.0),)
+    skips = ()  # last: their casts wait for them
+    for s in tl.static_range(T):
+        skips = skips + (_skip_and_gate(x_ptr, sxb, sxt, sxh, sxe, D_ptr, sD, z_ptr, szb, szt, szh, sze, pid_b, s,
+                                        head, rv, HAS_D, HAS_Z),)
+    return ra, rb, rsc, (windows, new, dts, bias, tl.load(A_ptr + hv * s_A), queries, skips)
+
+
+@triton.jit
+def _prepared_tokens(loaded, bB_ptr, bx_ptr, bdt_ptr, bla_ptr, dtn_ptr, la_ptr, parents_ptr, pid_v, pid_b, valid, row,
+                     h, need, head, H, G, T: tl.constexpr, L: tl.constexpr, LP: tl.constexpr, DK: tl.constexpr,
+                     R_FMT: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, TREE: tl.constexpr):
+    """A step of one launch (``StepShape.fused``): the scores launch's work for the program's own
+    head, by the same operations (``_mamba2_scores_kernel``), from ``_fused_loads``' tuple
+    ``loaded`` (its last field) and the cursor h; returns ``_token_loads``' tuple and the window of x
+    rows [LP, BV] (``window.window_rows``' values). Programs of row block 0 store the new tokens'
+    shared fields: where the slot does not refresh, straight into the buffer at h .. h + T - 1 (the
+    head's step sizes and log decays; B by the group's first head), where no program of the launch
+    reads them (``launch.advance_row``, DIRECT); where it does, the step sizes and log decays into
+    dtn, la [b, T, H] fp32, which the batch row's last program copies into the buffer after the
+    folds."""
+    windows, new, dts, bias, A, raw_queries, skips = loaded
+    j = tl.arange(0, LP)
+    hv = head + tl.arange(0, 1)
+    ck = tl.arange(0, raw_queries[0].shape[0])
+    A = A.to(tl.float32)
+    steps, log_decays = (), ()
+    later, direct = (pid_v == 0) & need, (pid_v == 0) & valid & (need == 0)  # the fields' writers
+    for s in tl.static_range(T):
+        at = (pid_b * T + s) * H + hv
+        d = dts[s].to(tl.float32)
+        if HAS_BIAS:
+            d += bias.to(tl.float32)
+        if SOFTPLUS:
+            d = softplus(d)
+        steps, log_decays = steps + (d,), log_decays + (A * d,)
+        tl.store(dtn_ptr + at, d, mask=later)
+        tl.store(la_ptr + at, log_decays[s], mask=later)
+        entry = row * L + h + s
+        tl.store(bdt_ptr + entry * H + hv, as_stored(d, bdt_ptr.dtype.element_ty), mask=direct)
+        tl.store(bla_ptr + entry * H + hv, as_stored(log_decays[s], bla_ptr.dtype.element_ty), mask=direct)
+        tl.store(bB_ptr + (entry * G + head // (H // G)) * DK + ck, as_stored(new[0][s], bB_ptr.dtype.element_ty),
+                 mask=direct & (head % (H // G) == 0) & within(ck, DK))
+    LA = committed_head_window(windows[0], log_decays, h, j, T)
+    LA_next = committed_head_window(windows[1], log_decays, h, j + 1, T)
+    DT = committed_head_window(windows[2], steps, h, j, T)
+    K = committed_window(bB_ptr, windows[3], new[0], h, T)
+    X = committed_window(bx_ptr, windows[4], new[1], h, T)
     anc = ancestor_bits(parents_ptr, pid_b, valid, T) if TREE else 0
     tokens_in = ()
     for s in tl.static_range(T):
-        q = queries[s]
+        q = raw_queries[s].to(tl.float32)
         path, path_next = draft_paths(anc, h, s, LP, TREE)  # j <= h + s for a chain
         decay, gamma = path_decays(LA, LA_next, path, path_next)
         w = tl.sum(decay * DT, 0) * tl.sum(K * q[None, :], 1)  # [LP]: the one head's
@@ -297,7 +336,7 @@ def _prepared_tokens(B_ptr, sBb, sBt, sBh, sBe, C_ptr, sCb, sCt, sCh, sCe, dt_pt
 
 @triton.jit
 def _mamba2_step_program(
-        pid_v, head, pid_b, valid, row, h, need,
+        pid_v, head, pid_b, valid, row, h, need, early,
         tokens_ptr, seeds_ptr, fold_w_ptr, fold_decay_ptr, av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr,
         bx_ptr, bB_ptr, x_ptr, sxb, sxt, sxh, sxe, C_ptr, sCb, sCt, sCh, sCe,
         D_ptr, sD, z_ptr, szb, szt, szh, sze, scores_ptr, gammas_ptr, y_ptr, H, G,
@@ -314,7 +353,7 @@ def _mamba2_step_program(
     read-copy products S_read C_s of every token as one tensor-core product streamed over column
     chunks (``formats.streamed_products``, STREAM chunks in flight), else row reductions. FUSED (a
     step of one launch): the program computes its refresh's scalars (``_fold_weights``) and its
-    weights (``_prepared_tokens``) itself; else the scores launch's."""
+    weights (``_prepared_tokens``) itself, from ``early`` (``_fused_loads``); else the scores launch's."""
     group = head // (H // G)
     mat = row * H + head
     gidx = global_scale_index(mat, pid_v * BV, BV, DV)  # NVFP4: the global scales of these rows
@@ -322,6 +361,8 @@ def _mamba2_step_program(
     ck = tl.arange(0, DKP)
     j = tl.arange(0, LP)
     buf_tok = row * L + j  # [LP] buffer token index of this slot
+    if FUSED:
+        ra, rb, rsc, loaded = early
     if REFRESH:
         if need:  # refresh: fold the h committed entries into a new checkpoint, from the anchor
             if FUSED:
@@ -335,21 +376,25 @@ def _mamba2_step_program(
                                  av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, H, G, L, LP, DV, DK,
                                  DKP, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR, SHARED, STAGES, READ_AFTER)
             tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
+            if FUSED:  # again, after the rows just folded: nothing loaded before is live in this branch
+                ra, rb, rsc, loaded = _fused_loads(
+                    B_ptr, sBb, sBt, sBh, sBe, C_ptr, sCb, sCt, sCh, sCe, dt_ptr, sdb, sdt, sdh, bias_ptr, s_bias, A_ptr,
+                    s_A, x_ptr, sxb, sxt, sxh, sxe, D_ptr, sD, z_ptr, szb, szt, szh, sze, rv_ptr, rs_ptr, rg_ptr, bB_ptr,
+                    bx_ptr, bdt_ptr, bla_ptr, pid_v, pid_b, row, head, H, G, T, L, LP, BV, DV, DK, DKP, R_FMT, HAS_D,
+                    HAS_Z, HAS_BIAS)
     h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
-    # the read copy in its own layout (the anchor itself when shared), then everything else a
-    # program reads, all issued before any arithmetic so that it waits on memory once
-    if OUTPUT_DOT:
-        ra, rb, rsc = 0.0, 0.0, 0.0
-    else:
-        ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, DKP, R_FMT)
     if FUSED:
         tl.static_assert(not OUTPUT_DOT, "a step of one launch takes its read-copy products by row reductions")
-        tokens_in, X = _prepared_tokens(B_ptr, sBb, sBt, sBh, sBe, C_ptr, sCb, sCt, sCh, sCe, dt_ptr, sdb, sdt, sdh,
-                                        bias_ptr, s_bias, A_ptr, s_A, x_ptr, sxb, sxt, sxh, sxe, D_ptr, sD, z_ptr,
-                                        szb, szt, szh, sze, bB_ptr, bx_ptr, bdt_ptr, bla_ptr, dtn_ptr, la_ptr,
-                                        parents_ptr, pid_v, pid_b, valid, row, h, head, group, rv, H, G, T, L, LP,
-                                        DV, DK, DKP, R_FMT, HAS_D, HAS_Z, HAS_BIAS, SOFTPLUS, TREE)
+        tokens_in, X = _prepared_tokens(loaded, bB_ptr, bx_ptr, bdt_ptr, bla_ptr, dtn_ptr, la_ptr, parents_ptr, pid_v,
+                                        pid_b, valid, row, h, need, head, H, G, T, L, LP, DK, R_FMT, HAS_BIAS,
+                                        SOFTPLUS, TREE)
     else:
+        # the read copy in its own layout (the anchor itself when shared), then everything else a
+        # program reads, all issued before any arithmetic so that it waits on memory once
+        if OUTPUT_DOT:
+            ra, rb, rsc = 0.0, 0.0, 0.0
+        else:
+            ra, rb, rsc = load_read(rv_ptr, rs_ptr, rg_ptr, mat, gidx, rv, DV, DK, DKP, R_FMT)
         X = window_rows(bx_ptr, x_ptr, sxb, sxt, sxh, sxe, row, pid_b, h, head, H, rv, DV, T, L, LP)
         tokens_in = _token_loads(x_ptr, sxb, sxt, sxh, sxe, C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD, z_ptr, szb, szt,
                                  szh, sze, scores_ptr, gammas_ptr, pid_b, head, group, rv, H, G, T, LP, DV, DK, DKP,
@@ -421,12 +466,23 @@ def _mamba2_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_pt
     pid_v, head, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     count = tl.load(due_ptr) if DUE == 2 else 0
     for it in tl.range(0, ROUNDS, num_stages=1):  # a constant trip count: the interpreter needs one
-        active, pid_b, valid, row, h, need = program_item(due_ptr, slots_ptr, cursors_ptr, committed_ptr, parents_ptr,
-                                                          gaps_ptr, c, it, count, (pid_v == 0) & (head == 0), SCRATCH,
-                                                          T, L, DUE, FUSED, TREE, MAXD)
+        if FUSED:  # every load that needs the storage row only, before the cursor (``window.fused_item``)
+            active, pid_b = True, c
+            valid, row, committed = fused_item(slots_ptr, committed_ptr, c, SCRATCH)
+            early = _fused_loads(B_ptr, sBb, sBt, sBh, sBe, C_ptr, sCb, sCt, sCh, sCe, dt_ptr, sdb, sdt, sdh, bias_ptr,
+                                 s_bias, A_ptr, s_A, x_ptr, sxb, sxt, sxh, sxe, D_ptr, sD, z_ptr, szb, szt, szh, sze,
+                                 rv_ptr, rs_ptr, rg_ptr, bB_ptr, bx_ptr, bdt_ptr, bla_ptr, pid_v, c, row, head, H, G,
+                                 T, L, LP, BV, DV, DK, DKP, R_FMT, HAS_D, HAS_Z, HAS_BIAS)
+            tl.debug_barrier()  # keeps them here: the compiler would sink them past the branch on the cursor
+            h, need = fused_cursor(committed, valid, row, parents_ptr, gaps_ptr, c, (pid_v == 0) & (head == 0), T, L,
+                                   TREE, MAXD)
+        else:
+            active, pid_b, valid, row, h, need = step_item(due_ptr, slots_ptr, cursors_ptr, c, it, count, SCRATCH, T,
+                                                           L, DUE)
+            early = 0
         if active:
             _mamba2_step_program(
-                pid_v, head, pid_b, valid, row, h, need, tokens_ptr, seeds_ptr, fold_w_ptr, fold_decay_ptr, av_ptr,
+                pid_v, head, pid_b, valid, row, h, need, early, tokens_ptr, seeds_ptr, fold_w_ptr, fold_decay_ptr, av_ptr,
                 as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, x_ptr, sxb, sxt, sxh, sxe,
                 C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD, z_ptr, szb, szt, szh, sze, scores_ptr, gammas_ptr,
                 y_ptr, H, G, B_ptr, sBb, sBt, sBh, sBe, dt_ptr, sdb, sdt, sdh, bias_ptr, s_bias, A_ptr, s_A, bdt_ptr,
@@ -439,7 +495,7 @@ def _mamba2_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_pt
             advance_row(pid_b, valid, row, tl.where(need, 0, h), need, (pid_v == 0) & (head == 0), counted,
                         tokens_ptr, committed_ptr, pending_ptr, refreshes_ptr, done_ptr, s1, s1b, s1t, s1h, s1e, d1,
                         s2, s2b, s2t, s2h, s2e, d2, s3, s3b, s3t, s3h, s3e, d3, s4, s4b, s4t, s4h, s4e, d4, T, L,
-                        COMMIT, F1, F1P, W1, F2, F2P, W2, F3, F3P, W3, F4, F4P, W4)
+                        COMMIT, F1, F1P, W1, F2, F2P, W2, F3, F3P, W3, F4, F4P, W4, FUSED)
 
 
 def step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus: bool, commit: bool, y, parents=None):
