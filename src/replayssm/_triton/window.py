@@ -344,3 +344,20 @@ def fused_cursor(committed, valid, row, parents_ptr, gaps_ptr, c, first, T: tl.c
         if first:
             pending_tree(parents_ptr, gaps_ptr, c, valid, row, T, MAXD)
     return h, need
+
+
+@triton.jit
+def program_item(due_ptr, slots_ptr, cursors_ptr, valid, row, committed, parents_ptr, gaps_ptr, c, it, count, first,
+                 SCRATCH, T: tl.constexpr, L: tl.constexpr, DUE: tl.constexpr, FUSED: tl.constexpr,
+                 TREE: tl.constexpr, MAXD: tl.constexpr):
+    """(active, batch row, valid, storage row, committed count h, refresh due) of round ``it`` of a
+    step program of grid index ``c`` over batch rows: in a step of one launch (FUSED) from
+    ``fused_item``'s (valid, row, committed) after the program's loads, which a barrier keeps
+    before the branch on the cursor (the compiler would sink them past it), by ``fused_cursor``
+    (``first``: the row's first program); else ``step_item``."""
+    if FUSED:
+        tl.debug_barrier()
+        h, need = fused_cursor(committed, valid, row, parents_ptr, gaps_ptr, c, first, T, L, TREE, MAXD)
+        return True, c, valid, row, h, need
+    else:
+        return step_item(due_ptr, slots_ptr, cursors_ptr, c, it, count, SCRATCH, T, L, DUE)

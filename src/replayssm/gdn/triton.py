@@ -53,9 +53,9 @@ from .._triton import launch
 from .._triton.launch import advance_row, after_previous_launch
 from .._triton.solve import unit_lower_inverse
 from .._triton.decay import ordered_row_sums, path_decays, softplus
-from .._triton.window import (ancestor_bits, committed_head_window, draft_paths, due_slot, fused_cursor, fused_item,
-                              head_window, key_query_norms, list_due, new_key_query, pending_tree, slot_cursor,
-                              step_item, whole_window, window_key_scales, window_keys, window_raw_keys)
+from .._triton.window import (ancestor_bits, committed_head_window, draft_paths, due_slot, fused_item, head_window,
+                              key_query_norms, list_due, new_key_query, pending_tree, program_item, slot_cursor,
+                              whole_window, window_key_scales, window_keys, window_raw_keys)
 from .._triton.formats import (as_query, as_stored, column, exact_b_products, global_scale_index, load_query,
                                load_read, load_tile, matvec, pin_vector_width, read_copy_from_anchor,
                                streamed_products, within, write_checkpoint)
@@ -601,10 +601,10 @@ def _gdn_step_program(
             tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
             if FUSED:  # again, after the rows just folded: nothing loaded before is live in this branch
                 ra, rb, rsc, loaded = _fused_loads(
-                    q_ptr, sqb, sqt, sqh, sqe, k_ptr, skb, skt, skh, ske, v_ptr, svb, svt, svh, sve, beta_ptr, sbb, sbt,
-                    sbh, g_ptr, sgb, sgt, sgh, alog_ptr, s_alog, dtb_ptr, s_dtb, rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr,
-                    bg_ptr, bu_ptr, pid_v, pid_b, row, head, HV, HK, T, L, LP, BV, DV, DK, DKP, R_FMT, OUTPUT_DOT, GATE,
-                    HAS_DTB)
+                    q_ptr, sqb, sqt, sqh, sqe, k_ptr, skb, skt, skh, ske, v_ptr, svb, svt, svh, sve, beta_ptr, sbb,
+                    sbt, sbh, g_ptr, sgb, sgt, sgh, alog_ptr, s_alog, dtb_ptr, s_dtb, rv_ptr, rs_ptr, rg_ptr, bk_ptr,
+                    bks_ptr, bg_ptr, bu_ptr, pid_v, pid_b, row, head, HV, HK, T, L, LP, BV, DV, DK, DKP, R_FMT,
+                    OUTPUT_DOT, GATE, HAS_DTB)
     h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
     if FUSED:
         tokens_in, gammas, U = _prepared_tokens(loaded, bk_ptr, bks_ptr, bg_ptr, bbeta_ptr, bv_ptr, ks_ptr, gn_ptr,
@@ -680,19 +680,17 @@ def _gdn_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr, de
     count = tl.load(due_ptr) if DUE == 2 else 0
     for it in tl.range(0, ROUNDS, num_stages=1):  # a constant trip count: the interpreter needs one
         if FUSED:  # every load that needs the storage row only, before the cursor (``window.fused_item``)
-            active, pid_b = True, c
             valid, row, committed = fused_item(slots_ptr, committed_ptr, c, SCRATCH)
             early = _fused_loads(q_ptr, sqb, sqt, sqh, sqe, k_ptr, skb, skt, skh, ske, v_ptr, svb, svt, svh, sve,
                                  beta_ptr, sbb, sbt, sbh, g_ptr, sgb, sgt, sgh, alog_ptr, s_alog, dtb_ptr, s_dtb,
                                  rv_ptr, rs_ptr, rg_ptr, bk_ptr, bks_ptr, bg_ptr, bu_ptr, pid_v, c, row, head, HV, HK,
                                  T, L, LP, BV, DV, DK, DKP, R_FMT, OUTPUT_DOT, GATE, HAS_DTB)
-            tl.debug_barrier()  # keeps them here: the compiler would sink them past the branch on the cursor
-            h, need = fused_cursor(committed, valid, row, parents_ptr, gaps_ptr, c, (pid_v == 0) & (head == 0), T, L,
-                                   TREE, MAXD)
         else:
-            active, pid_b, valid, row, h, need = step_item(due_ptr, slots_ptr, cursors_ptr, c, it, count, SCRATCH, T,
-                                                           L, DUE)
-            early = 0
+            valid, row, committed, early = False, 0, 0, 0
+        active, pid_b, valid, row, h, need = program_item(due_ptr, slots_ptr, cursors_ptr, valid, row, committed,
+                                                          parents_ptr, gaps_ptr, c, it, count,
+                                                          (pid_v == 0) & (head == 0), SCRATCH, T, L, DUE, FUSED,
+                                                          TREE, MAXD)
         if active:
             _gdn_step_program(
                 pid_v, head, pid_b, valid, row, h, need, early, slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, tinv_ptr,

@@ -38,8 +38,8 @@ from .._triton import launch
 from .._triton.launch import advance_row, after_previous_launch
 from .._triton.decay import ordered_row_sums, path_decays, softplus
 from .._triton.window import (ancestor_bits, committed_head_window, committed_window, draft_paths, due_slot,
-                              fused_cursor, fused_item, head_window, list_due, new_rows, pending_tree, slot_cursor,
-                              step_item, whole_window, window_rows)
+                              fused_item, head_window, list_due, new_rows, pending_tree, program_item, slot_cursor,
+                              whole_window, window_rows)
 from .._triton.formats import (as_query, as_stored, column, global_scale_index, load_query, load_read, load_tile,
                                matvec, pin_vector_width, read_copy_from_anchor, streamed_products, within,
                                write_checkpoint)
@@ -378,10 +378,10 @@ def _mamba2_step_program(
             tl.debug_barrier()  # the rows just stored are read back below by other threads of the program
             if FUSED:  # again, after the rows just folded: nothing loaded before is live in this branch
                 ra, rb, rsc, loaded = _fused_loads(
-                    B_ptr, sBb, sBt, sBh, sBe, C_ptr, sCb, sCt, sCh, sCe, dt_ptr, sdb, sdt, sdh, bias_ptr, s_bias, A_ptr,
-                    s_A, x_ptr, sxb, sxt, sxh, sxe, D_ptr, sD, z_ptr, szb, szt, szh, sze, rv_ptr, rs_ptr, rg_ptr, bB_ptr,
-                    bx_ptr, bdt_ptr, bla_ptr, pid_v, pid_b, row, head, H, G, T, L, LP, BV, DV, DK, DKP, R_FMT, HAS_D,
-                    HAS_Z, HAS_BIAS)
+                    B_ptr, sBb, sBt, sBh, sBe, C_ptr, sCb, sCt, sCh, sCe, dt_ptr, sdb, sdt, sdh, bias_ptr, s_bias,
+                    A_ptr, s_A, x_ptr, sxb, sxt, sxh, sxe, D_ptr, sD, z_ptr, szb, szt, szh, sze, rv_ptr, rs_ptr,
+                    rg_ptr, bB_ptr, bx_ptr, bdt_ptr, bla_ptr, pid_v, pid_b, row, head, H, G, T, L, LP, BV, DV, DK,
+                    DKP, R_FMT, HAS_D, HAS_Z, HAS_BIAS)
     h = tl.where(need, 0, h)  # after a refresh only the new tokens are in the window
     if FUSED:
         tl.static_assert(not OUTPUT_DOT, "a step of one launch takes its read-copy products by row reductions")
@@ -467,23 +467,21 @@ def _mamba2_step_kernel(slots_ptr, cursors_ptr, tokens_ptr, seeds_ptr, fold_w_pt
     count = tl.load(due_ptr) if DUE == 2 else 0
     for it in tl.range(0, ROUNDS, num_stages=1):  # a constant trip count: the interpreter needs one
         if FUSED:  # every load that needs the storage row only, before the cursor (``window.fused_item``)
-            active, pid_b = True, c
             valid, row, committed = fused_item(slots_ptr, committed_ptr, c, SCRATCH)
             early = _fused_loads(B_ptr, sBb, sBt, sBh, sBe, C_ptr, sCb, sCt, sCh, sCe, dt_ptr, sdb, sdt, sdh, bias_ptr,
                                  s_bias, A_ptr, s_A, x_ptr, sxb, sxt, sxh, sxe, D_ptr, sD, z_ptr, szb, szt, szh, sze,
                                  rv_ptr, rs_ptr, rg_ptr, bB_ptr, bx_ptr, bdt_ptr, bla_ptr, pid_v, c, row, head, H, G,
                                  T, L, LP, BV, DV, DK, DKP, R_FMT, HAS_D, HAS_Z, HAS_BIAS)
-            tl.debug_barrier()  # keeps them here: the compiler would sink them past the branch on the cursor
-            h, need = fused_cursor(committed, valid, row, parents_ptr, gaps_ptr, c, (pid_v == 0) & (head == 0), T, L,
-                                   TREE, MAXD)
         else:
-            active, pid_b, valid, row, h, need = step_item(due_ptr, slots_ptr, cursors_ptr, c, it, count, SCRATCH, T,
-                                                           L, DUE)
-            early = 0
+            valid, row, committed, early = False, 0, 0, 0
+        active, pid_b, valid, row, h, need = program_item(due_ptr, slots_ptr, cursors_ptr, valid, row, committed,
+                                                          parents_ptr, gaps_ptr, c, it, count,
+                                                          (pid_v == 0) & (head == 0), SCRATCH, T, L, DUE, FUSED,
+                                                          TREE, MAXD)
         if active:
             _mamba2_step_program(
-                pid_v, head, pid_b, valid, row, h, need, early, tokens_ptr, seeds_ptr, fold_w_ptr, fold_decay_ptr, av_ptr,
-                as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, x_ptr, sxb, sxt, sxh, sxe,
+                pid_v, head, pid_b, valid, row, h, need, early, tokens_ptr, seeds_ptr, fold_w_ptr, fold_decay_ptr,
+                av_ptr, as_ptr, ag_ptr, rv_ptr, rs_ptr, rg_ptr, bx_ptr, bB_ptr, x_ptr, sxb, sxt, sxh, sxe,
                 C_ptr, sCb, sCt, sCh, sCe, D_ptr, sD, z_ptr, szb, szt, szh, sze, scores_ptr, gammas_ptr,
                 y_ptr, H, G, B_ptr, sBb, sBt, sBh, sBe, dt_ptr, sdb, sdt, sdh, bias_ptr, s_bias, A_ptr, s_A, bdt_ptr,
                 bla_ptr, dtn_ptr, la_ptr, parents_ptr, T, L, LP, DV, DK, DKP, BV, FR, KC, A_FMT, A_SR, R_FMT, R_SR,
