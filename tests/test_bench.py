@@ -104,6 +104,14 @@ def test_correctness_gate_passes_the_real_kernel_and_refuses_a_broken_one(arch):
     assert rel_broken > measure.gate_tolerance("s32_rs")
 
 
+def test_correctness_gate_at_batch_one_checks_its_one_row():
+    from replayssm.bench import measure
+
+    p = Problem("gdn", (4, 16, 32, 2), 1, 1)
+    err, rel, state_err = measure.correctness(p, "s32_rs", "cpu", "torch", steps=6, rounds=2, T=2)
+    assert 0 < err and rel <= measure.gate_tolerance("s32_rs") and state_err < 1e-5
+
+
 def _bench_report(batch, draft, accept, us=8.0, ext=None, legacy=False):
     """A bench.json with one conventional row and one s32_rs row (and an external baseline)."""
     dims = [16, 64, 128, 128] if legacy else [64, 128, 128, 16]  # qwen35-122b, older GDN order first

@@ -17,13 +17,14 @@ def reference_step(p: Problem, state, inp, prm, t):
 
 def _gate_setup(p0: Problem, preset, window, max_draft, device, seed):
     """What a correctness gate starts from: (generator, a cache of b + 8 slots with bf16 buffers,
-    b slot ids in random order with every 37th a pad, valid [b], the loaded random states in
+    b slot ids in random order with every 37th a pad (none at batch 1), valid [b], the loaded random states in
     float64 [b, ...], the layer's constants)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     b = p0.batch
     cache = suite.make_cache(p0, b + 8, preset, window, max_draft, device, buffer_dtype=torch.bfloat16)
     slots = torch.randperm(b + 8, device=device, generator=gen)[:b]
-    slots[::37] = -1  # pads
+    if b > 1:
+        slots[::37] = -1  # pads
     state = torch.randn(b, *cache.state_shape, device=device, generator=gen) * 0.1
     cache.load_state(slots, state)
     return gen, cache, slots, slots >= 0, state.double(), suite.make_params(p0, device, gen)
