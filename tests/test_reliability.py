@@ -33,12 +33,14 @@ def _strided(ids, dtype, filler):
 
 class ViewLayer:
     """A helpers layer whose calls pass slot ids and accepted counts as strided views of
-    ``dtype``, and Mamba-2's ``D`` as a strided view; ``backend`` picks the backend."""
+    ``dtype`` (contiguous tensors with ``contiguous``), and Mamba-2's ``D`` as a strided view;
+    ``backend`` picks the backend."""
 
-    def __init__(self, arch, backend, dtype, num_slots, **geometry):
+    def __init__(self, arch, backend, dtype, num_slots, contiguous=False, **geometry):
         self.base = make_layer(arch, 0, **geometry)
         self.name, self.state_shape = self.base.name, self.base.state_shape
         self.backend, self.dtype, self.num_slots = backend, dtype, num_slots
+        self.contiguous = contiguous
 
     def cache(self, num_slots, **kw):
         return self.base.cache(num_slots, **kw)
@@ -51,11 +53,14 @@ class ViewLayer:
 
     def _view(self, slots):
         ids = slots.tolist()
+        if self.contiguous:
+            return torch.tensor(ids, dtype=self.dtype)
         others = [s for s in range(self.num_slots) if s not in ids] or [0]
         return _strided(ids, self.dtype, [others[i % len(others)] for i in range(len(ids))])
 
     def accept(self, cache, slots, counts):
-        n = _strided(counts.tolist(), self.dtype, [cache.max_draft] * len(counts))
+        n = (torch.tensor(counts.tolist(), dtype=self.dtype) if self.contiguous
+             else _strided(counts.tolist(), self.dtype, [cache.max_draft] * len(counts)))
         cache.accept(self._view(slots), n, backend=self.backend)
 
     def run(self, cache, slots, tok, verify):
@@ -73,13 +78,14 @@ class ViewLayer:
         return fn(cache, sv, **{k: v[:, 0] for k, v in tok.items()}, **c, backend=self.backend)[:, None]
 
 
-@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("dtype, contiguous", [(torch.int64, False), (torch.int32, False), (torch.int32, True)])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("arch", ARCHS)
-def test_strided_and_int32_slot_ids_touch_only_their_slots(arch, backend, dtype):
-    """Decode, verify and accept with strided (and int32) slot ids and counts: outputs match the
-    float64 recurrence, slots outside the batch stay bit-identical (Tracker), counters follow."""
-    layer = ViewLayer(arch, backend, dtype, 5, **TILED[arch])
+def test_strided_and_int32_slot_ids_touch_only_their_slots(arch, backend, dtype, contiguous):
+    """Decode, verify and accept with strided (and int32) slot ids and counts, and with contiguous
+    int32 ones (which the Triton kernels read as given): outputs match the float64 recurrence,
+    slots outside the batch stay bit-identical (Tracker), counters follow."""
+    layer = ViewLayer(arch, backend, dtype, 5, contiguous, **TILED[arch])
     cache = layer.cache(5, window=4, max_draft=2)
     tr = Tracker(layer, cache, seed=3)
     tr.load([0, 1, 2, 3, 4])
@@ -98,6 +104,39 @@ def test_strided_and_int32_slot_ids_touch_only_their_slots(arch, backend, dtype)
         {k: v.tolist() for k, v in cache.counters(ids.long()).items()}
     cache.reset(_strided([2], dtype, [0]))
     cache.load_state(torch.tensor([0], dtype=dtype), cache.materialize(torch.tensor([0], dtype=dtype)))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_int32_slot_ids_and_counts_reach_the_triton_kernels_uncopied(arch):
+    """An engine's int32 state indices (vLLM's) cost no conversion kernel on the Triton backend:
+    with value checks off (as in a CUDA graph), a decode, a verify and its accept dispatch no
+    conversion of an int32 tensor at all (before, each call copied its int32 ids to int64, a
+    launch per layer and step)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Conversions(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default:
+                self.seen.append(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    layer = ViewLayer(arch, "triton", torch.int32, 3, True, **TILED[arch])
+    cache = layer.cache(3, window=4, max_draft=2)
+    g = torch.Generator().manual_seed(4)
+    cache.load_state(torch.arange(3), torch.randn(3, *layer.state_shape, generator=g))
+    cache.check_values = False
+    slots = torch.tensor([2, -1, 0], dtype=torch.int32)
+    tok = layer.tokens(g, 3, 2)
+    with Conversions() as seen:
+        layer.run(cache, slots, {k: v[:, :1] for k, v in tok.items()}, False)
+        layer.run(cache, slots, tok, True)
+        cache.accept(slots, torch.tensor([1, 0, 2], dtype=torch.int32), backend="triton")
+    assert torch.int32 not in seen.seen, seen.seen
+    assert cache.counters(slots.long())["committed"].tolist() == [2, 0, 3]
 
 
 def test_strided_slots_teeth():

@@ -336,12 +336,13 @@ class ReplayCache:
         pointer and are overwritten later. ``backend`` as in the decode calls: Triton by default
         for CUDA caches (one launch; with a path, one more before it that moves the entries).
         """
-        slots = checks.slot_ids(self, slots)
-        num_accepted = checks.accepted_counts(self, slots, num_accepted)
+        triton = pick_backend(self, backend) == "triton"
+        slots = checks.slot_ids(self, slots, keep_int32=triton)
+        num_accepted = checks.accepted_counts(self, slots, num_accepted, keep_int32=triton)
         path = checks.accepted_path(self, slots, num_accepted, path)
         if self.buffer is None:  # no verify ever ran: nothing is pending, there is nothing to commit
             return
-        if pick_backend(self, backend) == "triton":  # the entries moved, then one launch for the cursors (draft
+        if triton:  # the entries moved, then one launch for the cursors (draft
             from ._triton import launch  # gaps included), and no other kernel: at batch 1 each costs a launch
             launch.accept(self, slots, num_accepted, path)
         else:

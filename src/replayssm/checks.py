@@ -83,21 +83,31 @@ def check_slots(cache, slots) -> int:
     return slots.shape[0]
 
 
-def slot_ids(cache, slots) -> torch.Tensor:
-    """Validate ``slots`` (see ``check_slots``) and return them as a contiguous int64 [b] tensor.
+def _contiguous_ints(t, keep_int32: bool) -> torch.Tensor:
+    """``t`` itself where it is contiguous and int64 (or int32 with ``keep_int32``), else a
+    contiguous int64 copy."""
+    if t.is_contiguous() and (t.dtype == torch.int64 or keep_int32):
+        return t
+    return t.to(torch.int64).contiguous()
 
-    Backends index storage with the ids as laid out in memory, so a strided view or an int32
-    tensor is copied (a few bytes per row) instead of being read from its raw storage.
+
+def slot_ids(cache, slots, keep_int32: bool = False) -> torch.Tensor:
+    """Validate ``slots`` (see ``check_slots``) and return them as a contiguous int64 [b] tensor,
+    or as given where they are a contiguous int32 one and ``keep_int32`` (the Triton kernels load
+    either width; an engine's int32 state indices then cost no copy kernel per layer and step).
+
+    Backends index storage with the ids as laid out in memory, so a strided view is copied (a few
+    bytes per row) instead of being read from its raw storage.
     """
     check_slots(cache, slots)
-    return slots.to(torch.int64).contiguous()
+    return _contiguous_ints(slots, keep_int32)
 
 
-def accepted_counts(cache, slots, num_accepted) -> torch.Tensor:
+def accepted_counts(cache, slots, num_accepted, keep_int32: bool = False) -> torch.Tensor:
     """Validate ``num_accepted`` against ``slots`` (already normalized by ``slot_ids``) and
-    return it as a contiguous int64 [b] tensor."""
+    return it as a contiguous int64 [b] tensor (int32 as given with ``keep_int32``, as ``slot_ids``)."""
     check_accepted(cache, slots, num_accepted)
-    return num_accepted.to(torch.int64).contiguous()
+    return _contiguous_ints(num_accepted, keep_int32)
 
 
 def check_draft_len(cache, T: int) -> None:

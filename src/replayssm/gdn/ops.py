@@ -35,10 +35,11 @@ def buffered_keys(k, dtype, use_qk_l2norm):
     return k, k_scale
 
 
-def _check(cache, slots, q, k, v, g, beta, scale, draft: bool, gate=None):
-    """Validate every argument; returns the slots as contiguous int64. ``gate``: the raw gate
-    inputs (a, b, A_log, dt_bias), given instead of g and beta."""
-    slots = checks.slot_ids(cache, slots)
+def _check(cache, slots, q, k, v, g, beta, scale, draft: bool, gate=None, backend=None):
+    """Validate every argument; returns the slots as ``checks.slot_ids`` does for ``backend``
+    (contiguous int64, or int32 as given for Triton). ``gate``: the raw gate inputs (a, b, A_log,
+    dt_bias), given instead of g and beta."""
+    slots = checks.slot_ids(cache, slots, keep_int32=pick_backend(cache, backend) == "triton")
     b = slots.shape[0]
     HK, HV, K, V = cache.num_k_heads, cache.num_v_heads, cache.head_k_dim, cache.head_v_dim
     T = q.shape[1] if draft and isinstance(q, torch.Tensor) and q.dim() == 4 else 1
@@ -116,7 +117,7 @@ def gdn_decode(cache, slots, q, k, v, g=None, beta=None, scale=None, use_qk_l2no
     (fp16/bf16: the kernels store the rounded outputs); written into ``out`` when given.
     """
     gate = None if a is None and b is None and A_log is None else (a, b, A_log, dt_bias)
-    slots = _check(cache, slots, q, k, v, g, beta, scale, draft=False, gate=gate)
+    slots = _check(cache, slots, q, k, v, g, beta, scale, draft=False, gate=gate, backend=backend)
     dtype = checks.output_spec(out, out_dtype, tuple(v.shape), cache.device)
     u = lambda t: None if t is None else t.unsqueeze(1)  # noqa: E731
     if gate is not None:
@@ -138,7 +139,7 @@ def gdn_verify(cache, slots, q, k, v, g=None, beta=None, scale=None, use_qk_l2no
     Returns o [b, T, HV, V] (``out``, ``out_dtype`` as in decode).
     """
     gate = None if a is None and b is None and A_log is None else (a, b, A_log, dt_bias)
-    slots = _check(cache, slots, q, k, v, g, beta, scale, draft=True, gate=gate)
+    slots = _check(cache, slots, q, k, v, g, beta, scale, draft=True, gate=gate, backend=backend)
     dtype = checks.output_spec(out, out_dtype, tuple(v.shape), cache.device)
     parents = checks.draft_parents(cache, slots, parents, q.shape[1], pick_backend(cache, backend))
     return _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, False, backend, out, dtype, gate, parents)

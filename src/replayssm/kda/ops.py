@@ -21,9 +21,8 @@ from . import replay
 
 def _check(cache, slots, q, k, v, g, beta, scale, backend, draft: bool):
     """Validate every argument (GDN's checks, g [..., HV, K]; the backend's name); returns the slots
-    as contiguous int64."""
-    pick_backend(cache, backend)
-    return gdn_ops._check(cache, slots, q, k, v, g, beta, scale, draft)
+    as GDN's checks give them."""
+    return gdn_ops._check(cache, slots, q, k, v, g, beta, scale, draft, backend=backend)
 
 
 def _step(cache, slots, q, k, v, g, beta, scale, use_qk_l2norm, commit, backend, out, out_dtype, parents=None):

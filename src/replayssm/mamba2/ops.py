@@ -19,10 +19,11 @@ from ..step import torch_step
 from . import replay
 
 
-def _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft: bool):
-    """Validate every argument; returns (slots as contiguous int64, T, dt, A, D, dt_bias), the last
-    four as per-head views ([*lead, H] and [H]: head-dim-expanded inputs reduced, ``checks.per_head``)."""
-    slots = checks.slot_ids(cache, slots)
+def _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft: bool, backend=None):
+    """Validate every argument; returns (slots as ``checks.slot_ids`` gives them for ``backend``,
+    T, dt, A, D, dt_bias), the last four as per-head views ([*lead, H] and [H]: head-dim-expanded
+    inputs reduced, ``checks.per_head``)."""
+    slots = checks.slot_ids(cache, slots, keep_int32=pick_backend(cache, backend) == "triton")
     b = slots.shape[0]
     H, P, N, G = cache.nheads, cache.headdim, cache.dstate, cache.ngroups
     T = x.shape[1] if draft and isinstance(x, torch.Tensor) and x.dim() == 4 else 1
@@ -82,7 +83,7 @@ def mamba2_decode(cache, slots, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt
     Returns y [b, H, P] (zero for pads), fp32 unless ``out_dtype`` (fp16/bf16: the kernels store the
     rounded outputs, half the bytes); written into ``out`` when given.
     """
-    slots, _, dt, A, D, dt_bias = _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft=False)
+    slots, _, dt, A, D, dt_bias = _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft=False, backend=backend)
     dtype = checks.output_spec(out, out_dtype, tuple(x.shape), cache.device)
     u = lambda t: None if t is None else t.unsqueeze(1)  # noqa: E731
     y = _step(cache, slots, u(x), u(dt), A, u(B), u(C), D, u(z), dt_bias, dt_softplus, True, backend, u(out), dtype)
@@ -103,7 +104,7 @@ def mamba2_verify(cache, slots, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt
     The Triton backend takes trees of at most 32 drafts.
     Returns y [b, T, H, P] (``out``, ``out_dtype`` as in decode).
     """
-    slots, T, dt, A, D, dt_bias = _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft=True)
+    slots, T, dt, A, D, dt_bias = _check(cache, slots, x, dt, A, B, C, D, z, dt_bias, draft=True, backend=backend)
     dtype = checks.output_spec(out, out_dtype, tuple(x.shape), cache.device)
     parents = checks.draft_parents(cache, slots, parents, T, pick_backend(cache, backend))
     return _step(cache, slots, x, dt, A, B, C, D, z, dt_bias, dt_softplus, False, backend, out, dtype,
