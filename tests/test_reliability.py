@@ -107,11 +107,11 @@ def test_strided_and_int32_slot_ids_touch_only_their_slots(arch, backend, dtype,
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_int32_slot_ids_and_counts_reach_the_triton_kernels_uncopied(arch):
-    """An engine's int32 state indices (vLLM's) cost no conversion kernel on the Triton backend:
-    with value checks off (as in a CUDA graph), a decode, a verify and its accept dispatch no
-    conversion of an int32 tensor at all (before, each call copied its int32 ids to int64, a
-    launch per layer and step)."""
+def test_int32_slot_ids_counts_and_paths_reach_the_triton_kernels_uncopied(arch):
+    """An engine's int32 state indices (vLLM's), accepted counts and paths cost no conversion kernel
+    on the Triton backend: with value checks off (as in a CUDA graph), a decode, a verify and its
+    accept dispatch no conversion of an int32 tensor at all (before, each call copied its int32
+    ids to int64, a launch per layer and step)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Conversions(TorchDispatchMode):
@@ -134,7 +134,8 @@ def test_int32_slot_ids_and_counts_reach_the_triton_kernels_uncopied(arch):
     with Conversions() as seen:
         layer.run(cache, slots, {k: v[:, :1] for k, v in tok.items()}, False)
         layer.run(cache, slots, tok, True)
-        cache.accept(slots, torch.tensor([1, 0, 2], dtype=torch.int32), backend="triton")
+        cache.accept(slots, torch.tensor([1, 0, 2], dtype=torch.int32), torch.tensor([[0, 1]] * 3, dtype=torch.int32),
+                     backend="triton")
     assert torch.int32 not in seen.seen, seen.seen
     assert cache.counters(slots.long())["committed"].tolist() == [2, 0, 3]
 

@@ -339,7 +339,7 @@ class ReplayCache:
         triton = pick_backend(self, backend) == "triton"
         slots = checks.slot_ids(self, slots, keep_int32=triton)
         num_accepted = checks.accepted_counts(self, slots, num_accepted, keep_int32=triton)
-        path = checks.accepted_path(self, slots, num_accepted, path)
+        path = checks.accepted_path(self, slots, num_accepted, path, keep_int32=triton)
         if self.buffer is None:  # no verify ever ran: nothing is pending, there is nothing to commit
             return
         if triton:  # the entries moved, then one launch for the cursors (draft

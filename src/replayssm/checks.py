@@ -187,10 +187,11 @@ def draft_parents(cache, slots, parents, T: int, backend_kind: str):
     return parents
 
 
-def accepted_path(cache, slots, num_accepted, path) -> torch.Tensor | None:
+def accepted_path(cache, slots, num_accepted, path, keep_int32: bool = False) -> torch.Tensor | None:
     """``path``: int32/int64 [b, W] (1 <= W <= max_draft) or None (0, 1, 2, ...). On real rows its
     first num_accepted[i] entries must be pending drafts forming a root path of the pending
-    verify's tree (``cache.pending_parents``). Returns int64 [b, W] or None."""
+    verify's tree (``cache.pending_parents``). Returns int64 [b, W] (int32 as given with
+    ``keep_int32``, as ``slot_ids``) or None."""
     if path is None:
         path_t = None
         W = cache.max_draft
@@ -201,7 +202,7 @@ def accepted_path(cache, slots, num_accepted, path) -> torch.Tensor | None:
         check_tensor("path", path, (slots.shape[0], W), cache.device, INT_DTYPES)
         if not 1 <= W <= cache.max_draft:
             raise ValueError(f"path must have 1 to max_draft={cache.max_draft} columns, got {W}")
-        path_t = path.to(torch.int64).contiguous()
+        path_t = _contiguous_ints(path, keep_int32)
     if not (values_checked(cache) and slots.numel()):
         return path_t
     valid = slots >= 0
@@ -219,7 +220,7 @@ def accepted_path(cache, slots, num_accepted, path) -> torch.Tensor | None:
         i, j = (int(v) for v in out.nonzero()[0])
         raise ValueError(f"path[{i}, {j}] = {int(p[i, j])} is not a pending draft of slot "
                          f"{int(slots[i])} (it has {int(pending[i])})")
-    parent = torch.gather(cache.pending_parents(rows), 1, p.clamp(0, cache.max_draft - 1))
+    parent = torch.gather(cache.pending_parents(rows), 1, p.clamp(0, cache.max_draft - 1).long())
     before = torch.cat([torch.full_like(p[:, :1], -1), p[:, :-1]], 1)
     broken = used & (parent != before)
     if bool(broken.any()):
